@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""User-facing configuration of Hybrid HiSparse.
+
+Set through ``--attention-config '{"hisparse_config": {...}}'`` (or the dotted
+form ``--attention-config.hisparse_config '{...}'``). Leaving it unset keeps
+vLLM's behaviour unchanged: every HiSparse hook checks for ``None`` first.
+
+Only the knobs a deployment needs are user-settable. Protocol constants (the
+protected tail of two pages, the transition watermark, the 256 GiB
+registration chunk, the 95% RAM threshold) are fixed by the design and live
+in ``vllm.v1.hisparse``; making them tunable would let a config break the
+invariants the implementation relies on.
+"""
+
+from pydantic import field_validator
+
+from vllm.config.utils import config
+
+# Hot-buffer slot ids are int16 in the resolver's LRU state.
+MAX_DEVICE_BUFFER_SIZE = 32768
+
+
+@config
+class HiSparseConfig:
+    """Configuration for Hybrid HiSparse (host-offloaded sparse-MLA KV)."""
+
+    host_pool_gib: float | None = None
+    """Pinned host pool per DP replica, in GiB: the source of truth for all
+    sparse-MLA KV history. Required here or, when HiSparseConnector is named
+    explicitly in --kv-transfer-config, in its kv_connector_extra_config."""
+
+    device_buffer_size: int | None = None
+    """Hot rows per request per hot group (H). None selects the default
+    (max_decode_query_len + 1) * index_topk: 2 * top_k without speculation.
+    Must be at least max_decode_query_len * index_topk and at most 32768."""
+
+    eager_host_mirror: bool = True
+    """Mirror decode rows to host in the step that wrote them, so a spill is
+    only a completion barrier. When False, decode rows are not mirrored and
+    spills copy whole pages; prefill rows are always mirrored."""
+
+    admission_max_tokens: int | None = None
+    """Cap, in tokens, on the resident (GPU) pages a request must hold to be
+    admitted and while it runs: older pages are expected to move to host.
+    None selects min(max_num_batched_tokens, max_model_len). The two
+    protected tail pages are always added on top."""
+
+    shared_host_pool: bool | None = None
+    """Share one host pool across TP ranks (rank 0 writes). None decides
+    automatically from the parallel setup; True fails at startup when the
+    setup is not eligible; False forces a private pool per rank."""
+
+    @field_validator("host_pool_gib")
+    @classmethod
+    def _check_host_pool_gib(cls, value: float | None) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError(
+                f"hisparse_config.host_pool_gib={value} must be > 0 "
+                "(GiB of pinned host memory per DP replica)"
+            )
+        return value
+
+    @field_validator("device_buffer_size")
+    @classmethod
+    def _check_device_buffer_size(cls, value: int | None) -> int | None:
+        if value is None:
+            return value
+        if value <= 0:
+            raise ValueError(
+                f"hisparse_config.device_buffer_size={value} must be > 0 "
+                "(hot rows per request; omit it for the default)"
+            )
+        if value > MAX_DEVICE_BUFFER_SIZE:
+            raise ValueError(
+                f"hisparse_config.device_buffer_size={value} exceeds the "
+                f"int16 slot limit {MAX_DEVICE_BUFFER_SIZE}"
+            )
+        return value
+
+    @field_validator("admission_max_tokens")
+    @classmethod
+    def _check_admission_max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(
+                f"hisparse_config.admission_max_tokens={value} must be > 0 "
+                "(omit it for min(max_num_batched_tokens, max_model_len))"
+            )
+        return value
+
+    def default_device_buffer_size(
+        self, index_topk: int, max_decode_query_len: int
+    ) -> int:
+        """H: the configured value, else (q + 1) * K (spec 5.7)."""
+        if self.device_buffer_size is not None:
+            return self.device_buffer_size
+        return (max_decode_query_len + 1) * index_topk
+
+    def compute_hash(self) -> str:
+        """All fields shape the attention graph or the KV layout."""
+        from vllm.config.utils import get_hash_factors, hash_factors
+
+        return hash_factors(get_hash_factors(self, set()))

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The main job: fetch the pin, apply the series, and install the patched vLLM
+# into a project venv in precompiled mode (the pinned wheel's compiled
+# extensions + our patched Python). Works on a machine without a GPU.
+#
+# usage: scripts/build.sh [--tier cpu|gpu] [--venv DIR] [--no-install]
+#   --tier cpu   (default) torch $TORCH_CPU_VERSION CPU build + the CPU test tier
+#                deps: fast, runs vLLM's CPU-side code and our CPU suites
+#   --tier gpu   torch $TORCH_GPU_VERSION (what the vLLM 0.26.0 wheel pins, a
+#                multi-GB CUDA build) and the wheel's own requirements
+#   --venv DIR   the virtual environment (default: .venv)
+#   --no-install build the wheel into dist/ only
+# Outputs: dist/vllm-<VERSION>-*.whl (the artifact images are built from),
+# the venv with it installed, and <venv>/hisparse-build.json (what was built).
+source "$(dirname "$0")/lib.sh"
+
+tier=cpu venv=$HS_ROOT/.venv install=1
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --tier) tier=${2:?--tier needs cpu or gpu}; shift ;;
+    --venv) venv=${2:?--venv needs a directory}; shift ;;
+    --no-install) install=0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) hs_die "unknown argument: $1" ;;
+  esac
+  shift
+done
+[[ $tier == cpu || $tier == gpu ]] || hs_die "--tier must be cpu or gpu, got '$tier'"
+venv=$(realpath -m "$venv")
+tree=$HS_WORK/build/vllm
+export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HS_CACHE/pip}
+pip_() { hs_run "$venv/bin/python" -m pip "$@"; }
+
+# 1. pin + wheel, verified.
+"$HS_ROOT/scripts/fetch.sh" --wheel
+wheel=$HS_CACHE/pin/$VLLM_WHEEL_FILE
+
+# 2. the patched tree (a build-only copy; work/vllm stays the developer's).
+"$HS_ROOT/scripts/apply.sh" --to "$tree" --force
+
+# 3. the venv; skipped when its recorded inputs are unchanged.
+if [[ $tier == cpu ]]; then
+  torch_spec=torch==$TORCH_CPU_VERSION
+  deps=(-r "$tree/requirements/common.txt" -c "$HS_ROOT/ci/constraints-cpu.txt"
+        pytest pytest-asyncio tblib setuptools-rust setuptools-scm wheel)
+else
+  torch_spec=torch==$TORCH_GPU_VERSION
+  deps=(-r "$tree/requirements/cuda.txt" pytest pytest-asyncio tblib setuptools-rust setuptools-scm wheel)
+fi
+stamp_want=$(cat "$HS_ROOT/ci/constraints-cpu.txt" "$tree/requirements/common.txt" <(echo "$tier $torch_spec") | sha256sum | cut -c1-16)
+if [[ ! -x "$venv/bin/python" || "$(cat "$venv/.hisparse-deps" 2>/dev/null)" != "$stamp_want" ]]; then
+  [[ -x "$venv/bin/python" ]] || hs_run "$HS_PY" -m venv "$venv"
+  pip_ install -q --upgrade pip
+  pip_ install -q "$torch_spec"
+  pip_ install -q "${deps[@]}"
+  echo "$stamp_want" > "$venv/.hisparse-deps"
+else
+  hs_log "venv $venv is up to date ($tier tier)"
+fi
+
+# 4. the wheel: precompiled mode copies the pinned wheel's compiled
+#    extensions; everything Python comes from the patched tree.
+mkdir -p "$HS_ROOT/dist"
+rm -f "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl
+(cd "$tree" && VLLM_VERSION_OVERRIDE=$HS_VERSION VLLM_PRECOMPILED_WHEEL_LOCATION=$wheel \
+  hs_run "$venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$HS_ROOT/dist" .)
+built=$(ls "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl)
+
+series_sha=$(cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
+overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16)
+if [[ $install == 1 ]]; then
+  pip_ install -q --no-deps --force-reinstall "$built"
+  "$HS_PY" - "$venv/hisparse-build.json" <<EOF
+import json, sys
+json.dump({"version": "$HS_VERSION", "tier": "$tier", "wheel": "$built",
+           "tree": "$tree", "tree_head": "$(hs_git -C "$tree" rev-parse HEAD)",
+           "series_sha": "$series_sha", "overlay_sha": "$overlay_sha"},
+          open(sys.argv[1], "w"), indent=1)
+EOF
+  installed=$(cd /tmp && "$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))')
+  [[ "$installed" == "$HS_VERSION" ]] || hs_die "installed vllm is $installed, expected $HS_VERSION"
+fi
+
+echo "vLLM $HS_VERSION (pin $VLLM_VERSION, sdist commit $VLLM_COMMIT; $tier tier)"
+echo "wheel: $built"
+[[ $install == 1 ]] && echo "installed into: $venv"
+echo "applied patches (series $series_sha, overlay $overlay_sha):"
+while read -r name; do
+  [[ -n "$name" ]] && printf '  %-44s %s\n' "$name" "$(sed -n 's/^Subject: //p' "$HS_PATCHES/$name.patch" | head -1)"
+done < <(hs_series_names)

@@ -1,0 +1,64 @@
+# shellcheck shell=bash
+# Shared by every script: the pin (UPSTREAM), an isolated git, logging, paths.
+# Source it; it does not run anything by itself.
+set -euo pipefail
+
+HS_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+HS_CACHE=${HISPARSE_CACHE:-$HS_ROOT/.cache}
+HS_WORK=${HISPARSE_WORK:-$HS_ROOT/work}
+HS_OUT=${HISPARSE_OUT:-$HS_ROOT/out}
+HS_PATCHES=${HISPARSE_PATCHES:-$HS_ROOT/patches}
+HS_OVERLAY=${HISPARSE_OVERLAY:-$HS_ROOT/overlay}
+HS_PY=${HISPARSE_SYSTEM_PYTHON:-python3}
+
+hs_log() { printf '[%s] %s\n' "$(basename "$0")" "$*" >&2; }
+hs_die() { printf '[%s] error: %s\n' "$(basename "$0")" "$*" >&2; exit 1; }
+# Print, then run: scripts say exactly what they execute.
+hs_run() { printf '+ %s\n' "$*" >&2; "$@"; }
+
+# UPSTREAM is KEY=VALUE; read it without evaluating it as shell.
+hs_read_upstream() {
+  local key val
+  while IFS='=' read -r key val; do
+    [[ -z "$key" || "$key" == \#* ]] && continue
+    [[ "$key" =~ ^[A-Z0-9_]+$ ]] || hs_die "UPSTREAM: bad key '$key'"
+    printf -v "$key" '%s' "$val"
+    export "${key?}"
+  done < "$HS_ROOT/UPSTREAM"
+}
+hs_read_upstream
+HS_VERSION=$(tr -d '[:space:]' < "$HS_ROOT/VERSION")
+
+# Git with an isolated configuration: personal settings (diff.noprefix,
+# diff.algorithm=histogram, signing, ...) must never change patch bytes.
+# Fixed identities and dates make the generated tree's commit ids
+# reproducible: same pin + overlay + series => same SHAs.
+HS_BOT_NAME="HiSparse patch tooling"
+HS_BOT_EMAIL="hisparse-tooling@invalid"
+HS_FIXED_DATE="2026-07-25T00:00:00+0000"
+hs_git() {
+  GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null \
+  GIT_COMMITTER_NAME="$HS_BOT_NAME" GIT_COMMITTER_EMAIL="$HS_BOT_EMAIL" \
+  git -c diff.algorithm=myers -c core.abbrev=12 -c diff.renames=true \
+      -c commit.gpgsign=false -c core.autocrlf=false -c core.safecrlf=false \
+      -c init.defaultBranch=main -c advice.detachedHead=false \
+      -c gc.auto=0 "$@"
+}
+# The same, for commits the tooling authors itself (pin import, overlay base).
+hs_git_fixed() {
+  GIT_AUTHOR_NAME="$HS_BOT_NAME" GIT_AUTHOR_EMAIL="$HS_BOT_EMAIL" \
+  GIT_AUTHOR_DATE="$HS_FIXED_DATE" GIT_COMMITTER_DATE="$HS_FIXED_DATE" \
+  hs_git "$@"
+}
+
+hs_sha256() { sha256sum "$1" | cut -d' ' -f1; }
+
+# The series: one name per line; '#' lines are comments.
+hs_series_names() {
+  local f=${1:-$HS_PATCHES/series}
+  [[ -f "$f" ]] || return 0
+  grep -v -e '^#' -e '^[[:space:]]*$' "$f" || true
+}
+
+# Pristine pin as a git repository (built by fetch.sh).
+HS_PIN_REPO=$HS_CACHE/pin/vllm-$VLLM_VERSION.git

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Turn the generated tree into an editable stgit stack whose patch names equal
+# the series file names (house style: the name never comes from the subject).
+#
+# usage: scripts/stack.sh [--to DIR] [--force]      apply + stg init + uncommit
+#        scripts/stack.sh --refresh-base [--to DIR]  rebase an existing stack
+#                                                    onto pin + current overlay/
+# Edit with stg (stg goto/refresh/new/edit), then scripts/export.sh.
+# Uses `stg uncommit NAME...` rather than importing mbox files: stgit 0.19's
+# mbox import garbles descriptions.
+source "$(dirname "$0")/lib.sh"
+
+dir=$HS_WORK/vllm refresh=0 pass=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --to) dir=${2:?--to needs a directory}; shift ;;
+    --refresh-base) refresh=1 ;;
+    --force) pass+=(--force) ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) hs_die "unknown argument: $1" ;;
+  esac
+  shift
+done
+dir=$(realpath -m "$dir")
+command -v stg >/dev/null || hs_die "stgit is not installed (Debian: apt-get install stgit)"
+# stgit records stack metadata as commits: give it an identity; the
+# developer's own identity still applies to the patches they write later.
+export GIT_AUTHOR_NAME=${GIT_AUTHOR_NAME:-$HS_BOT_NAME} GIT_AUTHOR_EMAIL=${GIT_AUTHOR_EMAIL:-$HS_BOT_EMAIL}
+export GIT_COMMITTER_NAME=${GIT_COMMITTER_NAME:-$HS_BOT_NAME} GIT_COMMITTER_EMAIL=${GIT_COMMITTER_EMAIL:-$HS_BOT_EMAIL}
+stg_() { (cd "$dir" && GIT_CONFIG_NOSYSTEM=1 stg "$@"); }
+
+mapfile -t names < <(hs_series_names)
+
+if [[ $refresh == 1 ]]; then
+  [[ -d "$dir/.git" ]] || hs_die "$dir is not a stack; run scripts/stack.sh first"
+  # New base = pin + current overlay/, built exactly as apply.sh builds it.
+  tmp=$(mktemp -d)
+  HISPARSE_PATCHES=$tmp/none "$HS_ROOT/scripts/apply.sh" --to "$tmp/base" >/dev/null
+  hs_git -C "$dir" fetch -q "$tmp/base" hisparse
+  newbase=$(hs_git -C "$dir" rev-parse FETCH_HEAD)
+  rm -rf "$tmp"
+  hs_run stg_ rebase "$newbase"
+  hs_git -C "$dir" update-ref refs/patches/base "$newbase"
+  hs_log "stack rebased onto overlay base $(hs_git -C "$dir" rev-parse --short=12 "$newbase")"
+  exit 0
+fi
+
+"$HS_ROOT/scripts/apply.sh" --to "$dir" "${pass[@]}"
+hs_run stg_ init
+if [[ ${#names[@]} -gt 0 ]]; then
+  reversed=()
+  for ((i = ${#names[@]} - 1; i >= 0; i--)); do reversed+=("${names[$i]}"); done
+  hs_run stg_ uncommit -- "${reversed[@]}" >/dev/null
+fi
+got=$(stg_ series --noprefix)
+want=$(printf '%s\n' "${names[@]}")
+[[ "$got" == "${want%$'\n'}" ]] || hs_die "stg series differs from patches/series:"$'\n'"$got"
+hs_log "stack ready in $dir: ${#names[@]} patches (stg series)"

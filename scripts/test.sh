@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Run every CPU test tier against the installed patched vLLM (scripts/build.sh).
+#
+# usage: scripts/test.sh [--only tooling|hisparse|upstream|kernels]... [--venv DIR]
+#   tooling   tests/unit: apply/stack/export/validate/fetch on real patches
+#   hisparse  tests/hisparse: the project's own tests (GPU tests skip cleanly)
+#   upstream  vLLM's own suites listed in ci/upstream-suites.txt (target T3)
+#   kernels   compile-only build of the CUDA kernels when nvcc is present
+# Any extra arguments after -- go to every pytest call.
+source "$(dirname "$0")/lib.sh"
+
+venv=$HS_ROOT/.venv only=() extra=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --only) only+=("${2:?--only needs a tier}"); shift ;;
+    --venv) venv=${2:?--venv needs a directory}; shift ;;
+    --) shift; extra=("$@"); break ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) hs_die "unknown argument: $1" ;;
+  esac
+  shift
+done
+[[ ${#only[@]} -gt 0 ]] || only=(tooling hisparse upstream kernels)
+wants() { [[ " ${only[*]} " == *" $1 "* ]]; }
+py=$venv/bin/python
+[[ -x "$py" ]] || hs_die "no venv at $venv: run scripts/build.sh first"
+
+# The installed build must be the series and overlay in this checkout.
+build_json=$venv/hisparse-build.json
+[[ -f "$build_json" ]] || hs_die "$venv has no HiSparse build: run scripts/build.sh first"
+series_sha=$(cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
+overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16)
+grep -q "\"series_sha\": \"$series_sha\"" "$build_json" && grep -q "\"overlay_sha\": \"$overlay_sha\"" "$build_json" \
+  || hs_die "the installed build is stale (patches/ or overlay/ changed since): re-run scripts/build.sh"
+tree=$("$HS_PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tree"])' "$build_json")
+
+# Offline model configs for the suites that build a ModelConfig.
+export HF_HOME=$HS_CACHE/hf HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+[[ -f "$HF_HOME/.hisparse-fake" ]] || { bash "$HS_ROOT/ci/cpu_test_harness/make_fake_hf_cache.sh" >/dev/null; touch "$HF_HOME/.hisparse-fake"; }
+export PYTHONPATH=$HS_ROOT/ci/cpu_test_harness${PYTHONPATH:+:$PYTHONPATH}
+pytest_() { hs_run "$py" -m pytest -p no:cacheprovider -q "$@" "${extra[@]}"; }
+failed=()
+
+if wants tooling; then
+  pytest_ "$HS_ROOT/tests/unit" || failed+=(tooling)
+fi
+if wants hisparse; then
+  (cd "$HS_ROOT" && pytest_ -p cpu_noclean tests/hisparse) || failed+=(hisparse)
+fi
+if wants upstream; then
+  # Run the suites from a copy of the patched tree's tests/ so that `vllm`
+  # is imported from the installed wheel, not from the source tree.
+  suites=$HS_WORK/upstream-tests
+  rm -rf "$suites"; mkdir -p "$suites"
+  cp -r "$tree/tests" "$tree/pyproject.toml" "$suites/"
+  plain=()
+  while read -r line; do
+    [[ -z "$line" || "$line" == \#* ]] && continue
+    if [[ "$line" == *" "* ]]; then
+      eval "args=($line)"
+      (cd "$suites" && pytest_ -p cpu_noclean "${args[@]}") || failed+=("upstream:${args[0]}")
+    else
+      plain+=("$line")
+    fi
+  done < "$HS_ROOT/ci/upstream-suites.txt"
+  (cd "$suites" && pytest_ -p cpu_noclean "${plain[@]}") || failed+=(upstream)
+fi
+if wants kernels; then
+  if command -v nvcc >/dev/null && [[ -x "$HS_ROOT/scripts/build-kernels.sh" ]]; then
+    hs_run "$HS_ROOT/scripts/build-kernels.sh" --compile-only --python "$py" || failed+=(kernels)
+  else
+    hs_log "kernels: skipped (no nvcc or no scripts/build-kernels.sh)"
+  fi
+fi
+
+if [[ ${#failed[@]} -gt 0 ]]; then
+  hs_die "failed tiers: ${failed[*]}"
+fi
+hs_log "all requested tiers passed: ${only[*]}"

@@ -61,7 +61,8 @@ download() {
 
 # ensure NAME URL SHA256 LOCAL_OVERRIDE -> prints the verified cached path
 ensure_artifact() {
-  local name=$1 url=$2 sha=$3 local_file=$4 dest=$HS_CACHE/pin/$1
+  local name=$1 url=$2 sha=$3 local_file=$4
+  local dest=$HS_CACHE/pin/$name
   if [[ -n "$local_file" ]]; then
     verify "$local_file" "$sha" "$name" || exit 1
     [[ "$(realpath "$local_file")" == "$(realpath -m "$dest")" ]] || cp "$local_file" "$dest.part"
@@ -79,7 +80,8 @@ ensure_artifact() {
 # Build the pin repository from the sdist: one commit with a fixed identity
 # and date, tagged 'pin'. Reused while its recorded sha256 matches.
 pin_from_sdist() {
-  local sdist=$1 stamp="sdist-sha256: $VLLM_SDIST_SHA256"
+  local sdist=$1
+  local stamp="sdist-sha256: $VLLM_SDIST_SHA256"
   if [[ -d "$HS_PIN_REPO" ]] && hs_git --git-dir="$HS_PIN_REPO" cat-file -p pin 2>/dev/null | grep -q "$stamp"; then
     return 0
   fi
@@ -103,7 +105,8 @@ pin_from_sdist() {
 
 # Build the pin repository from a user's git mirror; the commit must match.
 pin_from_git() {
-  local url=$1 ref=$2 stamp="git-ref: $ref"
+  local url=$1 ref=$2
+  local stamp="git-ref: $ref"
   rm -rf "$HS_PIN_REPO.tmp"
   hs_git init -q --bare "$HS_PIN_REPO.tmp"
   hs_run hs_git --git-dir="$HS_PIN_REPO.tmp" fetch -q --no-tags "$url" "$ref"

@@ -20,6 +20,11 @@ if os.environ.get("HPLUG_FORCE_CPU_PLATFORM", "1") == "1":
     _platforms._current_platform = CpuPlatform()
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "skip_global_cleanup: skip vLLM's accelerator cleanup")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.skip_global_cleanup)

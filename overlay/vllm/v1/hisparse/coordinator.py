@@ -1,0 +1,669 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""C4: the scheduler-side residency state machine (spec 2.5, 4.1-4.8, 4.15).
+
+The pinned host pool is the source of truth; a request's resident pages are a
+write-back cache of it. Per request, each page moves
+
+    DIRTY -> PENDING -> CLEAN_PINNED -> CLEAN_UNPINNED -> LOST
+
+- DIRTY: GPU only, the request holds the resident blocks.
+- PENDING: a spill (transfer) is in flight; the transfer holds extra leases
+  on both endpoints until every worker that enqueued it has completed it.
+- CLEAN_PINNED: the host copy is valid (``valid``); the request still holds
+  the blocks.
+- CLEAN_UNPINNED: the request released the blocks with ``unpin_blocks``; they
+  count as free but stay readable until the pool reuses them.
+- LOST: the pool reused a block; every resident group's entry becomes the
+  null block and the page is read from host through the hot buffer.
+
+This class owns logical host identity: which host block backs which page,
+what may be published to the prefix cache (only durable pages), which GPU
+blocks hold clean copies of published host blocks (``copies``) and who owns
+an unpinned block (``owners``). It never touches bytes: it emits transfers,
+residency updates and row-mirror envelopes for the worker (INV-2), and it
+consumes the worker's acks.
+
+Hot path: ``advance_scheduled`` runs once per scheduled request per step and
+``build_step_metadata`` once per step. Both loop over pages (at most the
+pages a step touches, plus a request's first unpin of its history), never
+over tokens.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metadata import (
+    HiSparseStepMetadata,
+    HiSparseWorkerAck,
+    PageTransfer,
+    ResidencyUpdate,
+    RowMirror,
+)
+from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.hisparse.block_pool import UnpinBlockPool
+from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.hisparse.managers import (
+        HiSparseHotManager,
+        HiSparseResidentManager,
+        HiSparseSourceManager,
+    )
+
+logger = init_logger(__name__)
+
+_CLEAN = -1  # RequestResidency.dirty_from when the worker's table is current
+
+
+@dataclass(eq=False)
+class RequestResidency:
+    """Per-request residency state (spec 2.5). Identity is the incarnation:
+    a preempted request that is admitted again gets a new object, so a late
+    ack for the old one never touches the new one (4.3)."""
+
+    request_id: str
+    request: Request | None = None
+    valid: set[int] = field(default_factory=set)
+    """Pages whose host copy is complete (INV-1)."""
+    ready_prefix: int = 0
+    """Length of the contiguous valid prefix, in pages."""
+    next_plan: int = 0
+    """Every page below this one is pending or valid (materialization cursor)."""
+    pending: dict[int, int] = field(default_factory=dict)
+    """page -> transfer id in flight."""
+    pinned_clean: set[int] = field(default_factory=set)
+    unpinned: set[int] = field(default_factory=set)
+    num_null_pages: int = 0
+    """Resident entries that are the null block (lost or host-only pages)."""
+    pages_to_adopt: int = 0
+    copies_recorded: int = 0
+    dirty_from: int = _CLEAN
+    """First page whose resident entry changed since the worker last saw it."""
+    publication: int | None = None
+    """Tokens the source manager asked to publish (4.4); None when none."""
+    hot_required: bool = False
+    live: bool = True
+    detached: "DetachedPublication | None" = None
+
+
+@dataclass(eq=False)
+class DetachedPublication:
+    """A request that finished with spills pending (4.4 step 4): its host
+    blocks are leased until the spills land, then the durable prefix is
+    published exactly once (INV-19)."""
+
+    request: Request
+    host_blocks: list[KVCacheBlock]
+    num_pages: int
+    num_cached_pages: int
+
+
+@dataclass(eq=False)
+class Spill:
+    """A transfer in flight (spec 2.5 ``pending_spills``)."""
+
+    transfer_id: int
+    state: RequestResidency
+    page: int
+    host_block: KVCacheBlock
+    resident_blocks: tuple[KVCacheBlock, ...]
+    restore: bool = False
+    enqueued: frozenset[int] = frozenset()
+    completed: frozenset[int] = frozenset()
+
+
+@dataclass
+class HiSparseSchedulerStats:
+    """Scheduler-side counters (spec 6.5)."""
+
+    lost_pages: int = 0
+    spills_planned: int = 0
+    spills_completed: int = 0
+    pages_unpinned: int = 0
+    pages_adopted: int = 0
+
+
+class HiSparseCoordinator:
+    """Residency state machine of one scheduler (spec C4).
+
+    Invariants kept (tests cite them): INV-1/INV-17 (valid only after every
+    enqueuing worker completed), INV-6 (every computed page has a host block;
+    enforced by the source manager's allocation), INV-7 (a page is resident in
+    all resident groups or none), INV-16 (sealed pages only, one transfer per
+    page, a per-step budget), INV-18/19 (publish only the durable prefix;
+    preempted requests never publish more; finished ones publish once), INV-20
+    (unpin only valid, idle, non-tail pages of requests that can read from
+    host), INV-21 (no unpinned page without a hot region), INV-22/23 (reuse
+    nulls exactly the owners and drops the copies entry; adoption only into
+    null entries).
+    """
+
+    def __init__(
+        self,
+        *,
+        gpu_pool: UnpinBlockPool,
+        host_pool: BlockPool,
+        block_size: int,
+        max_model_len: int,
+        cap_res_pages: int,
+        hot_blocks_per_request: int,
+    ) -> None:
+        self.gpu_pool = gpu_pool
+        self.host_pool = host_pool
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.cap_res_pages = cap_res_pages
+        self.hot_blocks_per_request = hot_blocks_per_request
+        self.num_gpu_blocks = gpu_pool.num_gpu_blocks
+        # Spec 4.5: max(per-request hot cost, 10% of the pool).
+        self.transition_watermark = max(
+            hot_blocks_per_request, self.num_gpu_blocks // 10
+        )
+        self.spill_budget = max_model_len // block_size  # INV-16 per step
+
+        self.source: HiSparseSourceManager
+        self.residents: tuple[HiSparseResidentManager, ...] = ()
+        self.hots: tuple[HiSparseHotManager, ...] = ()
+
+        self.states: dict[str, RequestResidency] = {}
+        self.pending_spills: dict[int, Spill] = {}
+        self._spills_to_send: list[PageTransfer] = []
+        self._retired: list[int] = []
+        self._next_transfer_id = 1
+        # Published host block hash -> one GPU block per resident group.
+        self.copies: dict[object, tuple[KVCacheBlock, ...]] = {}
+        self._copy_of_block: dict[int, object] = {}
+        # Unpinned GPU block id -> {(request state, page)} reading it.
+        self.owners: dict[int, set[tuple[RequestResidency, int]]] = {}
+        self._new_source_block_ids: list[int] = []
+        self._cow_pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        self._cow_in_flight: dict[int, tuple[KVCacheBlock, KVCacheBlock]] = {}
+        self.stats = HiSparseSchedulerStats()
+
+    def bind_managers(
+        self,
+        source: "HiSparseSourceManager",
+        residents: Sequence["HiSparseResidentManager"],
+        hots: Sequence["HiSparseHotManager"],
+    ) -> None:
+        self.source = source
+        self.residents = tuple(residents)
+        self.hots = tuple(hots)
+
+    # ------------------------------------------------------------ lookups
+
+    def _state(self, request_id: str) -> RequestResidency:
+        st = self.states.get(request_id)
+        if st is None:
+            st = self.states[request_id] = RequestResidency(request_id)
+        return st
+
+    def _tables(self, request_id: str) -> list[list[KVCacheBlock]]:
+        return [m.req_to_blocks[request_id] for m in self.residents]
+
+    def _host_table(self, request_id: str) -> list[KVCacheBlock]:
+        return self.source.req_to_blocks[request_id]
+
+    def is_hot_required(self, request_id: str) -> bool:
+        st = self.states.get(request_id)
+        return st is not None and st.hot_required
+
+    def require_hot(self, request_id: str) -> None:
+        """The request's hot region is allocated on its next scheduling pass."""
+        self._state(request_id).hot_required = True
+
+    def can_read_from_host(self, request_id: str) -> bool:
+        """Every hot group holds the request's full region (spec 4.5)."""
+        need = self.hots[0].region_blocks if self.hots else 0
+        return all(
+            len(m.req_to_blocks.get(request_id, ())) >= need for m in self.hots
+        )
+
+    def has_pending_work(self) -> bool:
+        """INV-15: keep the engine stepping until every ack has arrived."""
+        return bool(
+            self.pending_spills or self._spills_to_send or self._retired
+            or self._cow_pairs or self._cow_in_flight
+        )
+
+    # --------------------------------------------------- manager callbacks
+
+    def note_new_source_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Host blocks (re)allocated this step (hot invalidation, 4.8)."""
+        self._new_source_block_ids.extend(b.block_id for b in blocks)
+
+    def note_cow(self, source: KVCacheBlock, destination: KVCacheBlock) -> None:
+        """A host CoW pair (4.12): both endpoints are retained until the
+        workers report the destination in ``cow_done``."""
+        self.host_pool.touch([source, destination])
+        self._cow_pairs.append((source, destination))
+
+    def commit_host_prefix(self, request_id: str, num_pages: int) -> None:
+        """A host prefix hit of ``num_pages`` (4.7 step 2): those pages are
+        valid, the resident table starts with null entries, surviving GPU
+        copies are adopted after the admitting allocation, and the request
+        reads from host from its first step (zero-resident regime)."""
+        st = self._state(request_id)
+        st.valid.update(range(num_pages))
+        st.ready_prefix = max(st.ready_prefix, num_pages)
+        st.next_plan = max(st.next_plan, num_pages)
+        st.pages_to_adopt = num_pages
+        st.copies_recorded = max(st.copies_recorded, num_pages)
+        st.num_null_pages += num_pages
+        st.hot_required = True
+
+    def publish_when_ready(self, request: Request, num_tokens: int) -> None:
+        """The source manager's ``cache_blocks``: remember the request and
+        publish only what is durable (4.4, INV-18)."""
+        st = self._state(request.request_id)
+        st.request = request
+        st.publication = num_tokens
+        self._publish(st)
+
+    # ----------------------------------------------------- per-step driver
+
+    def advance_scheduled(self, request: Request, num_tokens: int) -> None:
+        """After the request's allocation this step: plan spills of newly
+        sealed pages (4.2), then residency (4.5). ``num_tokens`` is what the
+        pin itself would cache: tokens computed once this step completes,
+        excluding unverified draft tokens (the pin's own publish bound, so
+        R_re needs no extra margin)."""
+        st = self._state(request.request_id)
+        st.request = request
+        tables = self._tables(request.request_id)
+        if not tables[0]:
+            return
+        self._materialize(st, tables, num_tokens // self.block_size)
+        self._update_residency(st, tables)
+
+    def _materialize(
+        self, st: RequestResidency, tables: list[list[KVCacheBlock]], n_sealed: int
+    ) -> None:
+        budget = self.spill_budget - len(self._spills_to_send)
+        host = self._host_table(st.request_id)
+        p = max(st.next_plan, st.ready_prefix)
+        n_sealed = min(n_sealed, len(tables[0]), len(host))
+        while p < n_sealed and budget > 0:
+            if p not in st.pending and p not in st.valid:
+                blocks = tuple(t[p] for t in tables)
+                if host[p].is_null or any(b.is_null for b in blocks):
+                    # Only host-only pages lack a resident block; they are
+                    # valid already. Never plan a spill without both ends.
+                    break
+                self._plan_transfer(st, p, host[p], blocks, restore=False)
+                budget -= 1
+            p += 1
+        st.next_plan = p
+
+    def _plan_transfer(
+        self,
+        st: RequestResidency,
+        page: int,
+        host_block: KVCacheBlock,
+        resident_blocks: tuple[KVCacheBlock, ...],
+        restore: bool,
+    ) -> None:
+        # The transfer's own leases keep both ends allocated until it
+        # completes on every worker that enqueued it (INV-17).
+        self.host_pool.touch([host_block])
+        self.gpu_pool.touch(list(resident_blocks))
+        tid = self._next_transfer_id
+        self._next_transfer_id += 1
+        st.pending[page] = tid
+        self.pending_spills[tid] = Spill(
+            tid, st, page, host_block, resident_blocks, restore=restore
+        )
+        self._spills_to_send.append(
+            PageTransfer(
+                transfer_id=tid,
+                host_block_id=host_block.block_id,
+                resident_block_ids=tuple(b.block_id for b in resident_blocks),
+                after_forward=not restore,
+                restore=restore,
+            )
+        )
+        self.stats.spills_planned += 1
+
+    def _update_residency(
+        self, st: RequestResidency, tables: list[list[KVCacheBlock]]
+    ) -> None:
+        if st.pages_to_adopt:
+            self._adopt(st, tables)
+        if self.can_read_from_host(st.request_id):
+            self._unpin_eligible(st, tables)
+            return
+        if st.hot_required:
+            return  # the region comes on a later pass; pages stay pinned
+        if (
+            self.gpu_pool.get_num_free_blocks() < self.transition_watermark
+            or len(tables[0]) >= self.cap_res_pages
+        ):
+            st.hot_required = True
+
+    # ------------------------------------------------- unpin / reuse / lose
+
+    def _unpin_eligible(
+        self, st: RequestResidency, tables: list[list[KVCacheBlock]]
+    ) -> None:
+        """Unpin every clean pinned page allowed by INV-20, tail-first."""
+        if not st.pinned_clean:
+            return
+        limit = len(tables[0]) - ACTIVE_TAIL_PAGES
+        pages = sorted(
+            (p for p in st.pinned_clean if p < limit and p not in st.pending),
+            reverse=True,
+        )
+        if not pages:
+            return
+        blocks: list[KVCacheBlock] = []
+        for p in pages:
+            for t in tables:
+                blk = t[p]
+                self.owners.setdefault(blk.block_id, set()).add((st, p))
+                blocks.append(blk)
+            st.pinned_clean.discard(p)
+            st.unpinned.add(p)
+        self.gpu_pool.unpin_blocks(blocks, self._on_block_reused)
+        self.stats.pages_unpinned += len(pages)
+
+    def _on_block_reused(self, block: KVCacheBlock) -> None:
+        """The pool handed an unpinned block to someone else (4.6 step 2)."""
+        self._drop_copy(block.block_id)
+        for st, page in self.owners.pop(block.block_id, ()):
+            self._lose_page(st, page, block.block_id)
+
+    def _lose_page(self, st: RequestResidency, page: int, reused_id: int) -> None:
+        """Null the page in every resident group (INV-7, INV-22)."""
+        for t in self._tables(st.request_id):
+            blk = t[page]
+            if blk.block_id != reused_id:
+                owners = self.owners.get(blk.block_id)
+                if owners is not None:
+                    owners.discard((st, page))
+                    if not owners:
+                        del self.owners[blk.block_id]
+            t[page] = self.gpu_pool.null_block
+        st.unpinned.discard(page)
+        st.num_null_pages += 1
+        st.dirty_from = page if st.dirty_from == _CLEAN else min(st.dirty_from, page)
+        st.hot_required = True
+        self.stats.lost_pages += 1
+
+    # --------------------------------------------------- copies / adoption
+
+    def _record_copies(self, st: RequestResidency, upto: int) -> None:
+        """Index GPU copies of newly published pages (4.7 step 1)."""
+        if upto <= st.copies_recorded:
+            return
+        host = self._host_table(st.request_id)
+        tables = self._tables(st.request_id)
+        for p in range(st.copies_recorded, upto):
+            if p in st.pending or p >= len(tables[0]):
+                continue
+            blocks = tuple(t[p] for t in tables)
+            key = host[p].block_hash
+            if key is None or any(b.is_null for b in blocks):
+                continue
+            old = self.copies.get(key)
+            if old is not None:
+                for b in old:
+                    self._copy_of_block.pop(b.block_id, None)
+            self.copies[key] = blocks
+            for b in blocks:
+                previous = self._copy_of_block.get(b.block_id)
+                if previous is not None and previous != key:
+                    self.copies.pop(previous, None)
+                self._copy_of_block[b.block_id] = key
+        st.copies_recorded = upto
+
+    def _drop_copy(self, block_id: int) -> None:
+        key = self._copy_of_block.pop(block_id, None)
+        if key is None:
+            return
+        for b in self.copies.pop(key, ()):
+            self._copy_of_block.pop(b.block_id, None)
+
+    def clear_copies(self) -> None:
+        """The prefix cache was reset: no published host block remains."""
+        self.copies.clear()
+        self._copy_of_block.clear()
+
+    def _adopt(self, st: RequestResidency, tables: list[list[KVCacheBlock]]) -> None:
+        """Adopt surviving GPU copies of host-prefix pages (4.7 step 3),
+        only into null entries (INV-23) and only after the admitting
+        allocation (which counted those blocks as free)."""
+        host = self._host_table(st.request_id)
+        for p in range(min(st.pages_to_adopt, len(tables[0]))):
+            if not tables[0][p].is_null:
+                continue
+            blocks = self.copies.get(host[p].block_hash)
+            if blocks is None:
+                continue
+            self.gpu_pool.touch(list(blocks))
+            for t, b in zip(tables, blocks):
+                t[p] = b
+            st.pinned_clean.add(p)
+            st.num_null_pages -= 1
+            st.dirty_from = p if st.dirty_from == _CLEAN else min(st.dirty_from, p)
+            self.stats.pages_adopted += 1
+        st.pages_to_adopt = 0
+
+    # -------------------------------------------------------- publication
+
+    def _publish(self, st: RequestResidency) -> None:
+        """Publish min(requested, durable prefix) tokens (4.4 step 2)."""
+        if st.publication is None or st.request is None or not st.live:
+            return
+        num_pages = min(st.publication // self.block_size, st.ready_prefix)
+        if num_pages <= 0:
+            return
+        self.source.publish_prefix(st.request, num_pages * self.block_size)
+        self._record_copies(st, num_pages)
+        if st.ready_prefix * self.block_size >= st.publication:
+            st.publication = None
+
+    def _publish_detached(self, st: RequestResidency) -> None:
+        d = st.detached
+        assert d is not None
+        num_full = min(st.ready_prefix, d.num_pages)
+        if num_full > d.num_cached_pages:
+            self.host_pool.cache_full_blocks(
+                request=d.request,
+                blocks=d.host_blocks,
+                num_cached_blocks=d.num_cached_pages,
+                num_full_blocks=num_full,
+                block_size=self.block_size,
+                kv_cache_group_id=self.source.kv_cache_group_id,
+            )
+        self.host_pool.free_blocks(reversed(d.host_blocks))
+        st.detached = None
+
+    # ------------------------------------------------------------ acks
+
+    def update_spills(self, ack: HiSparseWorkerAck) -> None:
+        """Apply aggregated worker acks (4.3): CoW first, then spills."""
+        for dst in ack.cow_done:
+            pair = self._cow_in_flight.pop(dst, None)
+            if pair is not None:
+                self.host_pool.free_blocks(pair)
+        for tid, ranks in ack.enqueued.items():
+            spill = self.pending_spills.get(tid)
+            if spill is not None:
+                spill.enqueued |= ranks
+        advanced: dict[int, RequestResidency] = {}
+        for tid, ranks in ack.completed.items():
+            spill = self.pending_spills.get(tid)
+            if spill is None:
+                continue  # retired already: a repeated or duplicated ack
+            spill.completed |= ranks
+            if spill.enqueued and spill.completed >= spill.enqueued:
+                self._finish_spill(spill)
+                advanced[id(spill.state)] = spill.state
+        for st in advanced.values():
+            if st.live and self.states.get(st.request_id) is st:
+                # One batch per request, so the unpin is tail-first.
+                if self.can_read_from_host(st.request_id):
+                    self._unpin_eligible(st, self._tables(st.request_id))
+                self._publish(st)
+            elif st.detached is not None and not st.pending:
+                self._publish_detached(st)
+
+    def _finish_spill(self, spill: Spill) -> None:
+        del self.pending_spills[spill.transfer_id]
+        self._retired.append(spill.transfer_id)
+        self.stats.spills_completed += 1
+        st, p = spill.state, spill.page
+        st.pending.pop(p, None)
+        if not spill.restore:
+            st.valid.add(p)
+            while st.ready_prefix in st.valid:
+                st.ready_prefix += 1
+        # Release the transfer's leases before any unpin, so that the unpin
+        # is the last reference dropped and puts the blocks at the tail.
+        self.gpu_pool.free_blocks(spill.resident_blocks)
+        self.host_pool.free_blocks([spill.host_block])
+        if st.live and self.states.get(st.request_id) is st and p in st.valid:
+            st.pinned_clean.add(p)
+
+    # ------------------------------------------------------------- free
+
+    def free(self, request_id: str) -> None:
+        """Called before the managers free the request (4.6 step 5).
+
+        Clean pages become anonymous readable copies (unpinned, tail-first);
+        pages already unpinned leave the owner sets; dirty and pending pages
+        are left to the managers' normal free (a pending page's transfer
+        lease keeps it alive). A finished request with spills pending
+        detaches its host prefix for a single later publication; a preempted
+        one drops its publication (INV-19).
+        """
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return
+        st.live = False
+        tables = self._tables(request_id) if self.residents else []
+        if tables and tables[0]:
+            null = self.gpu_pool.null_block
+            for p in st.unpinned:
+                for t in tables:
+                    owners = self.owners.get(t[p].block_id)
+                    if owners is not None:
+                        owners.discard((st, p))
+                        if not owners:
+                            del self.owners[t[p].block_id]
+                    t[p] = null
+            anonymous: list[KVCacheBlock] = []
+            for p in sorted(st.pinned_clean, reverse=True):
+                if p in st.pending or p >= len(tables[0]):
+                    continue
+                for t in tables:
+                    anonymous.append(t[p])
+                    t[p] = null
+            if anonymous:
+                self.gpu_pool.unpin_blocks(anonymous, self._on_block_reused)
+            st.unpinned.clear()
+            st.pinned_clean.clear()
+        finished = st.request is not None and st.request.is_finished()
+        if finished and st.pending and st.publication is not None:
+            self._detach(st)
+        st.publication = None
+
+    def _detach(self, st: RequestResidency) -> None:
+        assert st.request is not None and st.publication is not None
+        host = self._host_table(st.request_id)
+        num_pages = min(st.publication // self.block_size, len(host))
+        blocks = list(host[:num_pages])
+        self.host_pool.touch(blocks)
+        st.detached = DetachedPublication(
+            request=st.request,
+            host_blocks=blocks,
+            num_pages=num_pages,
+            num_cached_pages=self.source.num_cached_block.get(st.request_id, 0),
+        )
+
+    # --------------------------------------------------------- metadata
+
+    def build_step_metadata(
+        self, scheduler_output: "SchedulerOutput", num_lookahead_tokens: int = 0
+    ) -> HiSparseStepMetadata:
+        """Drain this step's outputs in the order of spec 4.1 step 3."""
+        meta = HiSparseStepMetadata()
+        full_table = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        full_table |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        all_resident = True
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            st = self.states.get(req_id)
+            if st is None or st.request is None:
+                continue
+            tables = self._tables(req_id)
+            if req_id in full_table:
+                st.dirty_from = _CLEAN  # the worker receives the whole table
+            elif st.dirty_from != _CLEAN:
+                start = st.dirty_from
+                meta.residency_updates[req_id] = ResidencyUpdate(
+                    start_page=start,
+                    block_ids=tuple(
+                        tuple(b.block_id for b in t[start:]) for t in tables
+                    ),
+                )
+                st.dirty_from = _CLEAN
+            mirrors = self._envelope(st, tables, num_scheduled, num_lookahead_tokens)
+            if mirrors:
+                meta.row_mirrors[req_id] = mirrors
+            if st.num_null_pages:
+                all_resident = False
+        meta.page_transfers = self._spills_to_send
+        self._spills_to_send = []
+        for src, dst in self._cow_pairs:
+            meta.cow_copies.append((src.block_id, dst.block_id))
+            self._cow_in_flight[dst.block_id] = (src, dst)
+        self._cow_pairs = []
+        meta.new_source_block_ids = self._new_source_block_ids
+        self._new_source_block_ids = []
+        meta.all_context_pages_resident = all_resident
+        meta.retired_transfer_ids = self._retired
+        self._retired = []
+        return meta
+
+    def _envelope(
+        self,
+        st: RequestResidency,
+        tables: list[list[KVCacheBlock]],
+        num_scheduled: int,
+        num_lookahead: int,
+    ) -> list[RowMirror]:
+        """Rows this step may write, split at pages (4.9). A page without a
+        resident block or a host block is skipped on its own."""
+        request = st.request
+        assert request is not None
+        b = self.block_size
+        placeholders = request.num_output_placeholders if num_lookahead else 0
+        s0 = max(request.num_computed_tokens - placeholders, 0)
+        host = self._host_table(st.request_id)
+        s1 = min(
+            request.num_computed_tokens + num_scheduled + num_lookahead,
+            len(tables[0]) * b,
+            len(host) * b,
+        )
+        mirrors: list[RowMirror] = []
+        for page in range(s0 // b, cdiv(s1, b)):
+            lo, hi = max(s0, page * b), min(s1, (page + 1) * b)
+            blocks = [t[page] for t in tables]
+            if hi <= lo or host[page].is_null or any(x.is_null for x in blocks):
+                continue
+            off = lo - page * b
+            mirrors.append(
+                RowMirror(
+                    src_row_start=tuple(x.block_id * b + off for x in blocks),
+                    host_row_start=host[page].block_id * b + off,
+                    num_rows=hi - lo,
+                )
+            )
+        return mirrors

@@ -1,0 +1,277 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The scheduler's KV-cache coordinator when HiSparse is on (spec 2.4-2.5).
+
+``HiSparseKVCacheCoordinator`` is vLLM's hybrid coordinator with two block
+pools and two block-id namespaces that never mix:
+
+- the GPU pool (``HiSparseGpuBlockPool``: ``UnpinBlockPool`` plus the host
+  pool's events and reset) serves the indexer, resident, hot and other
+  groups; it is the pool the KV-cache manager, its usage metrics, its free
+  check, ``evict_blocks`` and the KV connectors see;
+- the host pool (``HiSparseHostBlockPool``) serves only the source group.
+  Its blocks never reach the GPU pool, its KV events are tagged CPU, and it
+  is never part of GPU capacity.
+
+It wires the three HiSparse managers to one ``HiSparseCoordinator`` and
+forwards the per-step hooks: ``cache_blocks`` (after each request's
+allocation) drives materialization and residency, ``free`` /
+``pop_blocks_for_free`` let the coordinator turn clean pages into readable
+copies before the managers release the rest.
+"""
+
+from vllm.distributed.kv_events import MEDIUM_CPU, KVCacheEvent
+from vllm.logger import init_logger
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllm.v1.hisparse.block_pool import UnpinBlockPool
+from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+from vllm.v1.hisparse.layout import HiSparseKVCacheConfig
+from vllm.v1.hisparse.managers import (
+    HiSparseHotManager,
+    HiSparseResidentManager,
+    HiSparseSourceManager,
+)
+from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class HiSparseHostBlockPool(BlockPool):
+    """The pinned host pool's block accounting (source group only)."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events = super().take_events()
+        for event in events:
+            if hasattr(event, "medium"):
+                event.medium = MEDIUM_CPU
+        return events
+
+
+class HiSparseGpuBlockPool(UnpinBlockPool):
+    """The shared GPU pool. ``KVCacheManager`` drains events and resets the
+    prefix cache through this pool only, so it speaks for the host pool too."""
+
+    host_pool: BlockPool | None = None
+    hisparse: HiSparseCoordinator | None = None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events = super().take_events()
+        if self.host_pool is not None:
+            events.extend(self.host_pool.take_events())
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        host = self.host_pool
+        if host is not None and host.get_num_free_blocks() != host.num_gpu_blocks - 1:
+            logger.warning(
+                "Failed to reset the HiSparse host prefix cache: %d host blocks "
+                "are still in use.",
+                host.num_gpu_blocks - 1 - host.get_num_free_blocks(),
+            )
+            return False
+        if not super().reset_prefix_cache():
+            return False
+        if host is not None:
+            host.reset_prefix_cache()
+        if self.hisparse is not None:
+            self.hisparse.clear_copies()
+        return True
+
+
+class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
+    """Hybrid coordinator with a host pool for the source group."""
+
+    block_pool_cls = HiSparseGpuBlockPool
+
+    def __init__(
+        self,
+        kv_cache_config: HiSparseKVCacheConfig,
+        max_model_len: int,
+        max_in_flight_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ):
+        if not enable_caching:
+            raise ValueError(
+                "HiSparse needs prefix caching (the host pool is the prefix "
+                "cache of sparse-MLA KV); remove --no-enable-prefix-caching."
+            )
+        layout = kv_cache_config.layout
+        if scheduler_block_size != layout.block_size or hash_block_size != layout.block_size:
+            raise ValueError(
+                f"HiSparse needs one block size for scheduling, hashing and "
+                f"every group; got scheduler {scheduler_block_size}, hash "
+                f"{hash_block_size}, layout {layout.block_size}."
+            )
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
+        )
+        gpu_pool = self.block_pool
+        assert isinstance(gpu_pool, HiSparseGpuBlockPool)
+        self.host_pool = HiSparseHostBlockPool(
+            num_gpu_blocks=kv_cache_config.host_num_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.layout = layout
+        self.source_group_id = layout.SOURCE_GROUP_ID
+        self.resident_group_ids = tuple(layout.resident_group_ids)
+        self.hot_group_ids = tuple(layout.hot_group_ids)
+        self.hisparse = HiSparseCoordinator(
+            gpu_pool=gpu_pool,
+            host_pool=self.host_pool,
+            block_size=layout.block_size,
+            max_model_len=max_model_len,
+            cap_res_pages=layout.cap_res_pages(max_model_len),
+            hot_blocks_per_request=layout.hot_blocks * len(self.hot_group_ids),
+        )
+        gpu_pool.host_pool = self.host_pool
+        gpu_pool.hisparse = self.hisparse
+        self._replace_hisparse_managers(kv_cache_config)
+        self.verify_and_split_kv_cache_groups()
+
+    def _replace_hisparse_managers(self, config: HiSparseKVCacheConfig) -> None:
+        """Swap the registry's default managers of the HiSparse groups for
+        the HiSparse ones (the source one on the host pool)."""
+        managers = list(self.single_type_managers)
+
+        def common(gid: int, pool: BlockPool) -> dict:
+            return dict(
+                kv_cache_spec=config.kv_cache_groups[gid].kv_cache_spec,
+                block_pool=pool,
+                enable_caching=self.enable_caching,
+                kv_cache_group_id=gid,
+                scheduler_block_size=self.scheduler_block_size,
+            )
+
+        sid = self.source_group_id
+        managers[sid] = HiSparseSourceManager(
+            **common(sid, self.host_pool),
+            hisparse=self.hisparse,
+            unsatisfiable_gpu_cost=self.block_pool.num_gpu_blocks + 1,
+        )
+        for gid in self.resident_group_ids:
+            managers[gid] = HiSparseResidentManager(
+                **common(gid, self.block_pool),
+                max_admission_blocks_per_request=self.hisparse.cap_res_pages,
+            )
+        for gid in self.hot_group_ids:
+            managers[gid] = HiSparseHotManager(
+                **common(gid, self.block_pool),
+                hisparse=self.hisparse,
+                region_blocks=self.layout.hot_blocks,
+            )
+        self.single_type_managers = tuple(managers)
+        self.hisparse.bind_managers(
+            managers[sid],
+            [managers[g] for g in self.resident_group_ids],
+            [managers[g] for g in self.hot_group_ids],
+        )
+
+    # ----------------------------------------------------- prefix hits (4.14)
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: list[BlockHash],
+        max_cache_hit_length: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """The start is min(host hit, indexer/other hits), block-aligned.
+
+        The source group looks up the host pool; the indexer and other groups
+        look up the GPU pool, capped at the host hit (INV-31: every page
+        below the start has a host copy and a resident indexer block).
+        Resident groups start with null entries and hot groups with nothing:
+        they never constrain the hit. EAGLE/MTP drop one block of the final
+        common hit, as the pin does per group.
+        """
+        groups = self.kv_cache_config.kv_cache_groups
+        b = self.scheduler_block_size
+        sid = self.source_group_id
+        src_hits, length = HiSparseSourceManager.find_longest_cache_hit(
+            block_hashes=block_hashes,
+            max_length=max_cache_hit_length,
+            kv_cache_group_ids=[sid],
+            block_pool=self.host_pool,
+            kv_cache_spec=groups[sid].kv_cache_spec,
+            drop_eagle_block=False,
+            alignment_tokens=b,
+        )
+        hits: dict[int, list[KVCacheBlock]] = {sid: src_hits[0]}
+        gpu_spec_groups = [
+            g for g in self.attention_groups
+            if not set(g.group_ids) & {sid, *self.resident_group_ids, *self.hot_group_ids}
+        ]
+        while length > 0:
+            start = length
+            for spec, group_ids, manager_cls, _ in gpu_spec_groups:
+                blocks, group_len = manager_cls.find_longest_cache_hit(
+                    block_hashes=block_hashes,
+                    max_length=length,
+                    kv_cache_group_ids=group_ids,
+                    block_pool=self.block_pool,
+                    kv_cache_spec=spec,
+                    drop_eagle_block=False,
+                    alignment_tokens=b,
+                )
+                length = min(length, group_len)
+                hits.update(zip(group_ids, blocks))
+            if length == start:
+                break
+        if self.eagle_group_ids and length > 0:
+            length -= b
+        num_pages = length // b
+        null = self.block_pool.null_block
+        out: list[list[KVCacheBlock]] = []
+        for gid in range(len(groups)):
+            if gid in self.resident_group_ids:
+                out.append([null] * num_pages)
+            elif gid in self.hot_group_ids:
+                out.append([])
+            else:
+                out.append(hits.get(gid, [])[:num_pages])
+        return tuple(out), length, 0
+
+    # ----------------------------------------------------- per-step hooks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        super().cache_blocks(request, num_computed_tokens)
+        self.hisparse.advance_scheduled(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        self.hisparse.free(request_id)
+        super().free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """GPU blocks only: the caller returns them to the GPU pool (possibly
+        steps later). Host blocks go back to the host pool now; the in-flight
+        step's host writes are stream-ordered before any new owner's, and hot
+        entries keyed by their rows are invalidated on reallocation (4.8)."""
+        self.hisparse.free(request_id)
+        blocks: list[KVCacheBlock] = []
+        for gid, manager in enumerate(self.single_type_managers):
+            popped = manager.pop_blocks_for_free(request_id)
+            if gid == self.source_group_id:
+                self.host_pool.free_blocks(reversed(popped))
+            else:
+                blocks.extend(popped)
+        return blocks

@@ -1,0 +1,287 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""C3: per-group allocation rules of the HiSparse groups (spec 2.4).
+
+Three ``FullAttentionManager`` subclasses, one per role. Each keeps vLLM's own
+table (``req_to_blocks``) as the single record of a request's blocks, so the
+scheduler, the KV events and the worker see ordinary groups; the residency
+logic lives in ``HiSparseCoordinator`` and runs through the hooks below.
+
+- Source: host blocks from the host pool, prefix-cached on host. Its GPU
+  admission cost is 0; when the host pool cannot back the request (INV-6) it
+  reports an unsatisfiable cost, so the scheduler keeps a new request waiting
+  and preempts to make room for a running one (spec 4.15). It publishes only
+  durable pages (4.4).
+- Resident: GPU pages with null holes ("read from host"); never
+  prefix-cached; admission capped at cap_res pages (the in-flight window plus
+  the protected tail), since older pages are expected to move to host.
+- Hot: a fixed region of cdiv(H, B) blocks, allocated only once the request is
+  hot-required, held until the request is freed or preempted (INV-5).
+"""
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+
+class HiSparseSourceManager(FullAttentionManager):
+    """The source group: every page a request computes gets a host block
+    (INV-6); prefix caching runs on host blocks."""
+
+    def __init__(
+        self,
+        *args,
+        hisparse: "HiSparseCoordinator",
+        unsatisfiable_gpu_cost: int,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.hisparse = hisparse
+        # Larger than any GPU free count: "this request cannot be backed".
+        self._unsatisfiable = unsatisfiable_gpu_cost
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        host_blocks = super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+        )
+        if apply_admission_cap:
+            host_blocks += 1  # spec 4.15: the prompt plus one tail block
+        if host_blocks > self.block_pool.get_num_free_blocks():
+            return self._unsatisfiable
+        return 0  # host blocks never count against the GPU pool
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        super().add_local_computed_blocks(
+            request_id,
+            new_computed_blocks,
+            num_local_computed_tokens,
+            num_external_computed_tokens,
+        )
+        if new_computed_blocks:
+            self.hisparse.commit_host_prefix(request_id, len(new_computed_blocks))
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        before = len(self.req_to_blocks[request_id])
+        super().allocate_external_computed_blocks(
+            request_id, num_local_computed_tokens, num_external_computed_tokens
+        )
+        self.hisparse.note_new_source_blocks(self.req_to_blocks[request_id][before:])
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        blocks = super().allocate_new_blocks(
+            request_id, num_tokens, num_tokens_main_model
+        )
+        self.hisparse.note_new_source_blocks(blocks)
+        return blocks
+
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+    ) -> None:
+        """Publication waits for durability (4.4): the coordinator calls
+        ``publish_prefix`` for the part whose host copy is complete."""
+        self.num_cached_block.setdefault(request.request_id, 0)
+        self.hisparse.publish_when_ready(request, num_tokens)
+
+    def publish_prefix(self, request: Request, num_tokens: int) -> None:
+        """Put the first ``num_tokens`` tokens' host blocks in the prefix
+        cache (the pin's own hash publication)."""
+        FullAttentionManager.cache_blocks(self, request, num_tokens)
+
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        # Host CoW pairs are host block ids: they go to the HiSparse workers,
+        # never to the runner's GPU block copies (two id namespaces).
+        for source, destination in super().take_pending_cow_copies():
+            self.hisparse.note_cow(source, destination)
+            # The pin's CoW kept one extra ref on each end for its own
+            # release path; note_cow retains them on ours instead.
+            self.block_pool.free_blocks([source, destination])
+        return []
+
+
+class HiSparseResidentManager(FullAttentionManager):
+    """A resident group: the GPU write-back cache of a set of sparse layers.
+
+    A null entry means "read this page from host". Pages are never prefix
+    cached; published copies are found through the coordinator's copies
+    table instead (4.7).
+    """
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Neutral: any prefix the source holds starts as null entries."""
+        num_pages = max_length // kv_cache_spec.block_size
+        length = num_pages * kv_cache_spec.block_size
+        return tuple(
+            [block_pool.null_block] * num_pages for _ in kv_cache_group_ids
+        ), length
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        # The hit is null placeholders: nothing to touch, nothing cached.
+        req_blocks = self.req_to_blocks[request_id]
+        assert not req_blocks and all(b.is_null for b in new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+    ) -> None:
+        self.num_cached_block.setdefault(request.request_id, 0)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        return 0
+
+
+class HiSparseHotManager(FullAttentionManager):
+    """A hot group: a request's fixed region of hot slots (spec 2.4)."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
+
+    def __init__(
+        self, *args, hisparse: "HiSparseCoordinator", region_blocks: int, **kwargs
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.hisparse = hisparse
+        self.region_blocks = region_blocks
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Neutral: a hot region holds no prefix."""
+        length = max_length - max_length % kv_cache_spec.block_size
+        return tuple([] for _ in kv_cache_group_ids), length
+
+    def _wants_region(self, request_id: str, total_computed_tokens: int) -> bool:
+        if self.hisparse.is_hot_required(request_id):
+            return True
+        # A new request with computed history starts zero-resident (1.3):
+        # its history is on host, so it reads from host from the first step.
+        return request_id not in self.num_cached_block and total_computed_tokens > 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        if not self._wants_region(request_id, total_computed_tokens):
+            return 0
+        return max(self.region_blocks - len(self.req_to_blocks.get(request_id, ())), 0)
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        assert not new_computed_blocks
+        self.num_cached_block[request_id] = 0
+        if num_local_computed_tokens + num_external_computed_tokens > 0:
+            self.hisparse.require_hot(request_id)
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        return None  # a hot region is not context
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        if not self.hisparse.is_hot_required(request_id):
+            return []
+        held = self.req_to_blocks[request_id]
+        need = self.region_blocks - len(held)
+        if need <= 0:
+            return []
+        blocks = self.block_pool.get_new_blocks(need)
+        held.extend(blocks)
+        return blocks
+
+    def cache_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+    ) -> None:
+        self.num_cached_block.setdefault(request.request_id, 0)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        return 0

@@ -1,0 +1,468 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Drive vLLM's real scheduler with HiSparse on, against a simulated worker.
+
+``SimWorker`` is a test double of the HiSparse worker half that behaves the
+way the real one will at the protocol level (enqueue, then complete; per TP
+rank; possibly late, repeated, or lost) and models the bytes as well: every
+KV row holds a tag equal to a rolling hash of the request's tokens up to that
+position, written into the resident blocks by the "forward", mirrored to host
+rows through the row-mirror envelopes, and read back by "attention" from the
+resident page or, for a null entry, from the host. Any protocol bug that
+would make real attention read stale or missing KV shows up as a tag
+mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from vllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.config.hisparse import HiSparseConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metadata import (
+    HiSparseStepMetadata,
+    HiSparseWorkerAck,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.hisparse.kv_cache_coordinator import HiSparseKVCacheCoordinator
+from vllm.v1.hisparse.layout import (
+    HiSparseKVCacheConfig,
+    HiSparseParams,
+    build_hisparse_kv_cache_config,
+    build_hisparse_layout,
+    plan_host_pool,
+)
+from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+B = 64
+EOS = 50256
+OPT_CONFIG = {
+    "architectures": ["OPTForCausalLM"], "model_type": "opt",
+    "activation_function": "relu", "do_layer_norm_before": True,
+    "ffn_dim": 3072, "hidden_size": 768, "num_attention_heads": 12,
+    "num_hidden_layers": 12, "max_position_embeddings": 65536,
+    "vocab_size": 50272, "word_embed_proj_dim": 768, "torch_dtype": "float16",
+    "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1,
+}
+
+
+def tiny_glm_specs(num_layers: int, index_topk: int, freq: int) -> dict:
+    """GLM-5-architecture KV specs (real MLA/indexer dims, few layers)."""
+    hf = {
+        "num_hidden_layers": num_layers, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "index_head_dim": 128,
+        "index_topk": index_topk, "index_topk_freq": freq,
+    }
+    return kv_cache_specs_from_hf_config(hf, block_size=B)
+
+
+def hisparse_kv_cache_config(
+    *,
+    num_gpu_blocks: int,
+    num_host_blocks: int,
+    num_layers: int = 4,
+    index_topk: int = 64,
+    freq: int = 1,
+    device_buffer_size: int | None = None,
+    admission_max_tokens: int = 256,
+) -> HiSparseKVCacheConfig:
+    """The scheduler's view of a HiSparse KV-cache config, built by the
+    real layout builder (spec C1) at a chosen pool size."""
+    specs = tiny_glm_specs(num_layers, index_topk, freq)
+    params = HiSparseParams(
+        index_topk=index_topk,
+        max_decode_query_len=1,
+        device_buffer_size=device_buffer_size or 2 * index_topk,
+        admission_max_tokens=admission_max_tokens,
+        host_pool_bytes=0,
+    )
+    layout = build_hisparse_layout(specs, params)
+    params = dataclasses.replace(
+        params, host_pool_bytes=num_host_blocks * layout.host_block_stride(False)
+    )
+    worker = build_hisparse_kv_cache_config(
+        layout, num_gpu_blocks, plan_host_pool(layout, params)
+    )
+    config = generate_scheduler_kv_cache_config([worker])
+    assert isinstance(config, HiSparseKVCacheConfig)
+    return config
+
+
+def make_scheduler(
+    tmp_dir: Path,
+    kv_cache_config: HiSparseKVCacheConfig,
+    *,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 4096,
+    connector: str = "HiSparseConnector",
+) -> Scheduler:
+    model_dir = tmp_dir / "opt"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(OPT_CONFIG))
+    model_config = ModelConfig(
+        model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+        watermark=0.0,
+    )
+    cache_config = CacheConfig(block_size=B, enable_prefix_caching=True)
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        attention_config=AttentionConfig(
+            hisparse_config=HiSparseConfig(host_pool_gib=1.0)
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector, kv_role="kv_both"
+        ),
+    )
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=B,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+    )
+    assert isinstance(scheduler.kv_cache_manager.coordinator, HiSparseKVCacheCoordinator)
+    return scheduler
+
+
+_hash_ready = False
+
+
+def make_request(
+    req_id: str, prompt: list[int], max_tokens: int
+) -> Request:
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    params = SamplingParams(ignore_eos=True, max_tokens=max_tokens)
+    params.update_from_generation_config({}, EOS)
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(B, sha256),
+    )
+
+
+class RowTags:
+    """Tag of the KV row at each position of one request: a rolling hash of
+    its tokens up to and including that position (KV depends on the whole
+    prefix). Extended incrementally as tokens are appended."""
+
+    def __init__(self) -> None:
+        self.tags = np.empty(0, dtype=np.int64)
+        self.h = 1469598103934665603
+
+    def extend_to(self, tokens) -> np.ndarray:
+        n = len(self.tags)
+        if len(tokens) > n:
+            new = np.empty(len(tokens) - n, dtype=np.int64)
+            h = self.h
+            for i, t in enumerate(tokens[n:]):
+                h = ((h ^ (t + 1)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
+                new[i] = h
+            self.h = h
+            self.tags = np.concatenate([self.tags, new])
+        return self.tags
+
+
+class ProtocolError(AssertionError):
+    """The simulated worker saw something the real one could not survive."""
+
+
+@dataclasses.dataclass
+class Faults:
+    """Fault injection of the simulated worker (target R2)."""
+
+    max_delay: int = 0
+    """Steps between enqueue and completion, drawn uniformly in [0, max]."""
+    lose_ack_prob: float = 0.0
+    """Probability that a step's whole ack is lost in transit."""
+    duplicate_prob: float = 0.0
+    """Probability of reporting an already reported enqueue again."""
+    lagging_rank_delay: int = 0
+    """Extra completion delay of the last rank."""
+
+
+class SimWorker:
+    """The HiSparse worker half, simulated (see module docstring)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        ranks: int = 1,
+        faults: Faults | None = None,
+        seed: int = 0,
+        check_reads: bool = True,
+    ) -> None:
+        self.scheduler = scheduler
+        coord = scheduler.kv_cache_manager.coordinator
+        assert isinstance(coord, HiSparseKVCacheCoordinator)
+        self.coord = coord
+        self.res_gids = coord.resident_group_ids
+        self.src_gid = coord.source_group_id
+        self.ranks = ranks
+        self.faults = faults or Faults()
+        self.rng = random.Random(seed)
+        self.check_reads = check_reads
+        self.gpu = np.full(coord.block_pool.num_gpu_blocks * B, -1, dtype=np.int64)
+        self.host = np.full(coord.host_pool.num_gpu_blocks * B, -1, dtype=np.int64)
+        # Worker-side block tables, maintained only from what the scheduler
+        # sends (new/resumed full tables, appended ids, residency updates).
+        self.tables: dict[str, list[list[int]]] = {}
+        self.tags: dict[str, RowTags] = {}
+        self.step_no = 0
+        # Per rank: transfer id -> (completion step, host block, resident ids).
+        self.in_flight: list[dict[int, tuple[int, int, tuple[int, ...]]]] = [
+            {} for _ in range(ranks)
+        ]
+        self.done: list[set[int]] = [set() for _ in range(ranks)]
+        self.enqueue_report: list[set[int]] = [set() for _ in range(ranks)]
+        self.reads_checked = 0
+        self.rows_mirrored = 0
+        # Transfer ids a test wants to keep in flight (per rank: all ranks).
+        self.hold: set[int] = set()
+        self.transfers_seen: list = []
+
+    # ----------------------------------------------------------- W0
+
+    def _sync_tables(self, so: SchedulerOutput) -> None:
+        n_groups = len(self.coord.kv_cache_config.kv_cache_groups)
+        for req_id in list(so.finished_req_ids) + list(so.preempted_req_ids or ()):
+            self.tables.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                assert new_ids is not None
+                self.tables[req_id] = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for g in range(n_groups):
+                    self.tables[req_id][g].extend(new_ids[g])
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, HiSparseStepMetadata)
+        for req_id, upd in meta.residency_updates.items():
+            table = self.tables[req_id]
+            for gid, ids in zip(self.res_gids, upd.block_ids):
+                row = table[gid]
+                del row[upd.start_page:]
+                row.extend(ids)
+
+    def _check_tables(self, so: SchedulerOutput) -> None:
+        """INV-22: before the forward, the worker's resident tables equal
+        the scheduler's for every scheduled request."""
+        mgr = self.scheduler.kv_cache_manager
+        for req_id in so.num_scheduled_tokens:
+            actual = mgr.get_block_ids(req_id)
+            mine = self.tables[req_id]
+            for gid in (*self.res_gids, self.src_gid):
+                if mine[gid] != list(actual[gid]):
+                    raise ProtocolError(
+                        f"step {self.step_no}: worker table of {req_id} group "
+                        f"{gid} is {mine[gid]}, scheduler has {list(actual[gid])}"
+                    )
+
+    # ------------------------------------------------------ W2 forward
+
+    def _forward(self, so: SchedulerOutput) -> None:
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, HiSparseStepMetadata)
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            tags = self.tags.setdefault(req_id, RowTags()).extend_to(
+                request.all_token_ids
+            )
+            c = computed[req_id]
+            table = self.tables[req_id]
+            for page in range(c // B, (c + n - 1) // B + 1):
+                lo, hi = max(c, page * B), min(c + n, (page + 1) * B)
+                for gid in self.res_gids:
+                    blk = table[gid][page]
+                    if blk == 0:
+                        raise ProtocolError(
+                            f"INV-12: {req_id} writes page {page} into a null "
+                            f"resident entry (group {gid})"
+                        )
+                    base = blk * B - page * B
+                    self.gpu[base + lo:base + hi] = tags[lo:hi]
+                self._mirror(req_id, meta, table, page, lo, hi)
+            if self.check_reads:
+                self._attend(req_id, table, tags, c + n)
+
+    def _mirror(self, req_id, meta, table, page, lo, hi) -> None:
+        """Envelope ∩ written rows (4.9): copy the rows just written."""
+        slot0 = table[self.res_gids[0]][page] * B + (lo - page * B)
+        for m in meta.row_mirrors.get(req_id, ()):
+            start, end = m.src_row_start[0], m.src_row_start[0] + m.num_rows
+            a, b = max(start, slot0), min(end, slot0 + (hi - lo))
+            if a >= b:
+                continue
+            host_a = m.host_row_start + (a - start)
+            self.host[host_a:host_a + (b - a)] = self.gpu[a:b]
+            self.rows_mirrored += b - a
+
+    def _attend(self, req_id, table, tags, context_len) -> None:
+        """Read every context row from where the tables say it lives."""
+        res, src = table[self.res_gids[0]], table[self.src_gid]
+        for page in range(0, (context_len - 1) // B + 1):
+            lo, hi = page * B, min(context_len, (page + 1) * B)
+            blk = res[page]
+            if blk != 0:
+                got = self.gpu[blk * B:blk * B + (hi - lo)]
+                where = f"resident block {blk}"
+            else:
+                hb = src[page]
+                got = self.host[hb * B:hb * B + (hi - lo)]
+                where = f"host block {hb}"
+            if not np.array_equal(got, tags[lo:hi]):
+                raise ProtocolError(
+                    f"step {self.step_no}: {req_id} page {page} read from "
+                    f"{where} does not hold the KV the model wrote (INV-1/22/23)"
+                )
+            self.reads_checked += 1
+
+    # ----------------------------------------------------------- acks
+
+    def _transfers(self, meta: HiSparseStepMetadata) -> None:
+        for r in range(self.ranks):
+            for tid in meta.retired_transfer_ids:
+                self.done[r].discard(tid)
+        self.transfers_seen.extend(meta.page_transfers)
+        for t in meta.page_transfers:
+            for r in range(self.ranks):
+                delay = self.rng.randint(0, self.faults.max_delay)
+                if r == self.ranks - 1:
+                    delay += self.faults.lagging_rank_delay
+                self.in_flight[r][t.transfer_id] = (
+                    self.step_no + delay, t.host_block_id, t.resident_block_ids
+                )
+                self.enqueue_report[r].add(t.transfer_id)
+
+    def _complete(self) -> None:
+        for r in range(self.ranks):
+            for tid, (at, hb, res_ids) in list(self.in_flight[r].items()):
+                if at > self.step_no or tid in self.hold:
+                    continue
+                # The completion barrier: every mirror of the page's rows has
+                # landed, so the host page equals the resident page (INV-1).
+                src = self.gpu[res_ids[0] * B:(res_ids[0] + 1) * B]
+                dst = self.host[hb * B:(hb + 1) * B]
+                if not np.array_equal(src, dst):
+                    raise ProtocolError(
+                        f"INV-1/INV-25: transfer {tid} completes but host block "
+                        f"{hb} differs from resident block {res_ids[0]}"
+                    )
+                del self.in_flight[r][tid]
+                self.done[r].add(tid)
+
+    def _ack(self) -> HiSparseWorkerAck | None:
+        ack = HiSparseWorkerAck()
+        for r in range(self.ranks):
+            ack = ack.aggregate(HiSparseWorkerAck(
+                enqueued={t: frozenset({r}) for t in self.enqueue_report[r]},
+                completed={t: frozenset({r}) for t in self.done[r]},
+            ))
+        if self.rng.random() < self.faults.lose_ack_prob:
+            return None  # lost in transit: completions are repeated later
+        for r in range(self.ranks):
+            keep = {t for t in self.enqueue_report[r]
+                    if self.rng.random() < self.faults.duplicate_prob}
+            self.enqueue_report[r] = keep
+        return ack
+
+    # ----------------------------------------------------------- step
+
+    def step(self, so: SchedulerOutput) -> HiSparseWorkerAck | None:
+        self.step_no += 1
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, HiSparseStepMetadata)
+        self._sync_tables(so)
+        self._check_tables(so)
+        self._transfers(meta)
+        self._forward(so)
+        self._complete()
+        return self._ack()
+
+
+def run_step(
+    scheduler: Scheduler, worker: SimWorker, rng: random.Random | None = None
+) -> SchedulerOutput:
+    """One engine step: schedule, simulated forward, sample, update."""
+    so = scheduler.schedule()
+    ack = worker.step(so)
+    req_ids = list(so.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        done_after = request.num_computed_tokens  # already advanced
+        if done_after >= request.num_tokens:
+            token = rng.randint(1, 1000) if rng else (len(request.all_token_ids) % 997) + 1
+            sampled.append([token])
+        else:
+            sampled.append([])
+    output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=ack),
+    )
+    scheduler.update_from_output(so, output)
+    return so
+
+
+def drain(scheduler: Scheduler, worker: SimWorker, max_steps: int = 10_000) -> int:
+    """Step until no request is left and no ack is outstanding (INV-15)."""
+    steps = 0
+    while scheduler.has_unfinished_requests() or scheduler.connector.has_pending_push_work():
+        run_step(scheduler, worker)
+        steps += 1
+        if steps > max_steps:
+            raise AssertionError("scheduler did not drain")
+    return steps
+
+
+def abort(scheduler: Scheduler, req_ids: Iterable[str]) -> None:
+    scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)

@@ -260,6 +260,7 @@ class SimWorker:
         self.rows_mirrored = 0
         # Transfer ids a test wants to keep in flight (per rank: all ranks).
         self.hold: set[int] = set()
+        self.requests_seen: dict[str, Request] = {}
         self.transfers_seen: list = []
 
     # ----------------------------------------------------------- W0
@@ -282,6 +283,8 @@ class SimWorker:
         meta = so.kv_connector_metadata
         assert isinstance(meta, HiSparseStepMetadata)
         for req_id, upd in meta.residency_updates.items():
+            if req_id not in so.num_scheduled_tokens:
+                raise ProtocolError(f"residency update for unscheduled {req_id} (4.6)")
             table = self.tables[req_id]
             for gid, ids in zip(self.res_gids, upd.block_ids):
                 row = table[gid]
@@ -312,6 +315,7 @@ class SimWorker:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, n in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
+            self.requests_seen[req_id] = request
             tags = self.tags.setdefault(req_id, RowTags()).extend_to(
                 request.all_token_ids
             )

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
+from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES
 from vllm.v1.hisparse.kv_cache_coordinator import HiSparseKVCacheCoordinator
@@ -148,3 +151,28 @@ def check_drained(scheduler: Scheduler) -> None:
     assert host.get_num_free_blocks() == host.num_gpu_blocks - 1, "host blocks leaked"
     for pool in (gpu, host):
         assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+
+
+def check_published(scheduler: Scheduler, worker) -> int:
+    """INV-18 / R2: every host block in the prefix cache holds exactly the
+    KV of the tokens its hash names (nothing incomplete was published).
+    Returns how many published blocks were checked."""
+    from tests.hisparse.scheduler.harness import B
+
+    expected: dict = {}
+    for req_id, request in worker.requests_seen.items():
+        tags = worker.tags[req_id].tags
+        for p, h in enumerate(request.block_hashes):
+            if (p + 1) * B <= len(tags):
+                expected[h] = tags[p * B:(p + 1) * B]
+    checked = 0
+    for blk in _coord(scheduler).host_pool.blocks[1:]:
+        if blk.block_hash is None:
+            continue
+        h = get_block_hash(blk.block_hash)
+        assert h in expected, f"host block {blk.block_id} published for unknown tokens"
+        rows = worker.host[blk.block_id * B:(blk.block_id + 1) * B]
+        assert np.array_equal(rows, expected[h]), (
+            f"INV-18: published host block {blk.block_id} is not the KV of its tokens")
+        checked += 1
+    return checked

@@ -31,6 +31,10 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.hisparse import HiSparseConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiKVConnectorMetadata,
+    MultiKVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metadata import (
     HiSparseStepMetadata,
     HiSparseWorkerAck,
@@ -118,8 +122,10 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 256,
     max_model_len: int = 4096,
-    connector: str = "HiSparseConnector",
+    kv_transfer_config: KVTransferConfig | None = None,
 ) -> Scheduler:
+    """vLLM's Scheduler over ``kv_cache_config`` with HiSparse enabled; the
+    connector defaults to HiSparseConnector alone."""
     model_dir = tmp_dir / "opt"
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(OPT_CONFIG))
@@ -145,9 +151,8 @@ def make_scheduler(
         attention_config=AttentionConfig(
             hisparse_config=HiSparseConfig(host_pool_gib=1.0)
         ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=connector, kv_role="kv_both"
-        ),
+        kv_transfer_config=kv_transfer_config
+        or KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both"),
     )
     scheduler = Scheduler(
         vllm_config=vllm_config,
@@ -260,6 +265,10 @@ class SimWorker:
         self.rows_mirrored = 0
         # Transfer ids a test wants to keep in flight (per rank: all ranks).
         self.hold: set[int] = set()
+        # Simulated workers of the other MultiConnector children, in order;
+        # each has step(child_meta, scheduler_output) ->
+        # (worker metadata, finished_recving, finished_sending).
+        self.children: list = []
         self.requests_seen: dict[str, Request] = {}
         self.transfers_seen: list = []
 
@@ -419,16 +428,37 @@ class SimWorker:
 
     # ----------------------------------------------------------- step
 
-    def step(self, so: SchedulerOutput) -> HiSparseWorkerAck | None:
+    def step(self, so: SchedulerOutput) -> KVConnectorOutput:
+        """W0-W6 of one step; returns what the workers report back."""
         self.step_no += 1
         meta = so.kv_connector_metadata
+        child_metas: list = []
+        if isinstance(meta, MultiKVConnectorMetadata):
+            # HiSparseConnector is the first child of a MultiConnector; the
+            # others are simulated by ``self.children`` (same order).
+            meta, *child_metas = meta.metadata
+            so = dataclasses.replace(so, kv_connector_metadata=meta)
         assert isinstance(meta, HiSparseStepMetadata)
         self._sync_tables(so)
         self._check_tables(so)
         self._transfers(meta)
         self._forward(so)
         self._complete()
-        return self._ack()
+        ack = self._ack()
+        if not child_metas:
+            return KVConnectorOutput(kv_connector_worker_meta=ack)
+        assert len(child_metas) == len(self.children)
+        out = KVConnectorOutput(finished_recving=set(), finished_sending=set())
+        metas = [ack]
+        for child, child_meta in zip(self.children, child_metas):
+            worker_meta, recving, sending = child.step(child_meta, so)
+            metas.append(worker_meta)
+            out.finished_recving |= recving
+            out.finished_sending |= sending
+        out.kv_connector_worker_meta = MultiKVConnectorWorkerMetadata(
+            metadata=tuple(metas)
+        )
+        return out
 
 
 def run_step(
@@ -436,7 +466,7 @@ def run_step(
 ) -> SchedulerOutput:
     """One engine step: schedule, simulated forward, sample, update."""
     so = scheduler.schedule()
-    ack = worker.step(so)
+    connector_output = worker.step(so)
     req_ids = list(so.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for req_id in req_ids:
@@ -451,7 +481,7 @@ def run_step(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
-        kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=ack),
+        kv_connector_output=connector_output,
     )
     scheduler.update_from_output(so, output)
     return so

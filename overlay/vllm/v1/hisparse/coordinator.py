@@ -245,18 +245,46 @@ class HiSparseCoordinator:
         self.host_pool.touch([source, destination])
         self._cow_pairs.append((source, destination))
 
+    def expect_external(self, request: Request) -> None:
+        """An offloader will load this request's indexer KV beyond its local
+        hit; the source manager then needs the request's block hashes."""
+        self._state(request.request_id).request = request
+
+    def external_block_hashes(self, request_id: str, first: int, last: int) -> list:
+        st = self.states.get(request_id)
+        if st is None or st.request is None:
+            raise RuntimeError(
+                f"HiSparse: external KV for request {request_id} from a connector "
+                "other than the HiSparse-aware OffloadingConnector; P/D import "
+                "is not supported yet."
+            )
+        return list(st.request.block_hashes[first:last])
+
+    def host_prefix_tokens(self, request: Request) -> int:
+        """h_s: tokens of the request's longest host prefix-cache hit."""
+        gid = [self.source.kv_cache_group_id]
+        n = 0
+        for block_hash in request.block_hashes:
+            if self.host_pool.get_cached_block(block_hash, gid) is None:
+                break
+            n += 1
+        return n * self.block_size
+
     def commit_host_prefix(self, request_id: str, num_pages: int) -> None:
         """A host prefix hit of ``num_pages`` (4.7 step 2): those pages are
         valid, the resident table starts with null entries, surviving GPU
         copies are adopted after the admitting allocation, and the request
         reads from host from its first step (zero-resident regime)."""
         st = self._state(request_id)
-        st.valid.update(range(num_pages))
-        st.ready_prefix = max(st.ready_prefix, num_pages)
+        new_pages = num_pages - st.ready_prefix
+        if new_pages <= 0:
+            return
+        st.valid.update(range(st.ready_prefix, num_pages))
+        st.ready_prefix = num_pages
         st.next_plan = max(st.next_plan, num_pages)
         st.pages_to_adopt = num_pages
         st.copies_recorded = max(st.copies_recorded, num_pages)
-        st.num_null_pages += num_pages
+        st.num_null_pages += new_pages
         st.hot_required = True
 
     def publish_when_ready(self, request: Request, num_tokens: int) -> None:

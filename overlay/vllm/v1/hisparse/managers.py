@@ -95,11 +95,29 @@ class HiSparseSourceManager(FullAttentionManager):
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        before = len(self.req_to_blocks[request_id])
-        super().allocate_external_computed_blocks(
-            request_id, num_local_computed_tokens, num_external_computed_tokens
-        )
-        self.hisparse.note_new_source_blocks(self.req_to_blocks[request_id][before:])
+        """External tokens come from an offloader that loads the *indexer*
+        KV of a host prefix (spec 4.14): their sparse-MLA KV is already in
+        the host pool, so take the cached host blocks, never fresh ones."""
+        if num_external_computed_tokens <= 0:
+            return
+        req_blocks = self.req_to_blocks[request_id]
+        first = len(req_blocks)
+        last = cdiv(num_local_computed_tokens + num_external_computed_tokens, self.block_size)
+        hashes = self.hisparse.external_block_hashes(request_id, first, last)
+        blocks = []
+        for page, block_hash in enumerate(hashes, start=first):
+            cached = self.block_pool.get_cached_block(block_hash, [self.kv_cache_group_id])
+            if cached is None:
+                raise RuntimeError(
+                    f"HiSparse: request {request_id} got external tokens for page "
+                    f"{page}, whose host copy is not in the host pool; external "
+                    "KV must be capped at the host prefix (spec 4.14)."
+                )
+            blocks.append(cached[0])
+        self.block_pool.touch(blocks)
+        req_blocks.extend(blocks)
+        self.num_cached_block[request_id] = len(req_blocks)
+        self.hisparse.commit_host_prefix(request_id, len(req_blocks))
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -179,6 +197,19 @@ class HiSparseResidentManager(FullAttentionManager):
         assert not req_blocks and all(b.is_null for b in new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """External (offloaded-indexer) pages are host-only: null entries."""
+        req_blocks = self.req_to_blocks[request_id]
+        total = cdiv(
+            num_local_computed_tokens + num_external_computed_tokens, self.block_size
+        )
+        req_blocks.extend([self._null_block] * max(total - len(req_blocks), 0))
 
     def cache_blocks(
         self,

@@ -3,8 +3,8 @@
 # the series file names (house style: the name never comes from the subject).
 #
 # usage: scripts/stack.sh [--to DIR] [--force]      apply + stg init + uncommit
-#        scripts/stack.sh --refresh-base [--to DIR]  rebase an existing stack
-#                                                    onto pin + current overlay/
+#        scripts/stack.sh --refresh-base [--to DIR]  rebuild an existing stack
+#                                                    on pin + current overlay/
 # Edit with stg (stg goto/refresh/new/edit), then scripts/export.sh.
 # Uses `stg uncommit NAME...` rather than importing mbox files: stgit 0.19's
 # mbox import garbles descriptions.
@@ -32,16 +32,17 @@ stg_() { (cd "$dir" && GIT_CONFIG_NOSYSTEM=1 stg "$@"); }
 mapfile -t names < <(hs_series_names)
 
 if [[ $refresh == 1 ]]; then
+  # Rebuild the stack on pin + current overlay/ from its own patches. (stgit
+  # 0.19's `stg rebase` resets author dates, which would change the bytes of
+  # every patch; git am keeps them.)
   [[ -d "$dir/.git" ]] || hs_die "$dir is not a stack; run scripts/stack.sh first"
-  # New base = pin + current overlay/, built exactly as apply.sh builds it.
+  [[ -z "$(hs_git -C "$dir" status --porcelain --untracked-files=no)" ]] \
+    || hs_die "$dir has uncommitted changes; stg refresh them into a patch first"
   tmp=$(mktemp -d)
-  HISPARSE_PATCHES=$tmp/none "$HS_ROOT/scripts/apply.sh" --to "$tmp/base" >/dev/null
-  hs_git -C "$dir" fetch -q "$tmp/base" hisparse
-  newbase=$(hs_git -C "$dir" rev-parse FETCH_HEAD)
-  rm -rf "$tmp"
-  hs_run stg_ rebase "$newbase"
-  hs_git -C "$dir" update-ref refs/patches/base "$newbase"
-  hs_log "stack rebased onto overlay base $(hs_git -C "$dir" rev-parse --short=12 "$newbase")"
+  trap 'rm -rf "$tmp"' EXIT
+  HISPARSE_PATCHES=$tmp/patches "$HS_ROOT/scripts/export.sh" --from "$dir"
+  HISPARSE_PATCHES=$tmp/patches "$HS_ROOT/scripts/stack.sh" --to "$dir" --force
+  hs_log "stack rebuilt on overlay base $(hs_git -C "$dir" rev-parse --short=12 refs/patches/base)"
   exit 0
 fi
 

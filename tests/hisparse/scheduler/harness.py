@@ -57,6 +57,11 @@ from vllm.v1.hisparse.layout import (
     plan_host_pool,
 )
 from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    UniformTypeKVCacheSpecs,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -115,19 +120,36 @@ def hisparse_kv_cache_config(
     return config
 
 
+def baseline_kv_cache_config(*, num_gpu_blocks: int, num_layers: int = 4,
+                             index_topk: int = 64, freq: int = 1) -> KVCacheConfig:
+    """The same model without HiSparse: the pin's single uniform group of
+    sparse-MLA and indexer layers (what get_kv_cache_groups returns)."""
+    specs = tiny_glm_specs(num_layers, index_topk, freq)
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    assert uniform is not None
+    worker = KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(list(specs), uniform)],
+    )
+    return generate_scheduler_kv_cache_config([worker])
+
+
 def make_scheduler(
     tmp_dir: Path,
-    kv_cache_config: HiSparseKVCacheConfig,
+    kv_cache_config: KVCacheConfig,
     *,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 256,
     max_model_len: int = 4096,
     kv_transfer_config: KVTransferConfig | None = None,
 ) -> Scheduler:
-    """vLLM's Scheduler over ``kv_cache_config`` with HiSparse enabled; the
-    connector defaults to HiSparseConnector alone."""
+    """vLLM's Scheduler over ``kv_cache_config``. With a HiSparse config,
+    HiSparse is enabled and the connector defaults to HiSparseConnector
+    alone; with any other config, this is the pin's own scheduler."""
+    hisparse = isinstance(kv_cache_config, HiSparseKVCacheConfig)
     model_dir = tmp_dir / "opt"
-    model_dir.mkdir(exist_ok=True)
+    model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(OPT_CONFIG))
     model_config = ModelConfig(
         model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True,
@@ -149,10 +171,11 @@ def make_scheduler(
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         attention_config=AttentionConfig(
-            hisparse_config=HiSparseConfig(host_pool_gib=1.0)
+            hisparse_config=HiSparseConfig(host_pool_gib=1.0) if hisparse else None
         ),
         kv_transfer_config=kv_transfer_config
-        or KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both"),
+        or (KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both")
+            if hisparse else None),
     )
     scheduler = Scheduler(
         vllm_config=vllm_config,
@@ -161,7 +184,8 @@ def make_scheduler(
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
     )
-    assert isinstance(scheduler.kv_cache_manager.coordinator, HiSparseKVCacheCoordinator)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    assert isinstance(coordinator, HiSparseKVCacheCoordinator) == hisparse
     return scheduler
 
 

@@ -1,0 +1,356 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""R1 / U-3 / U-5: every HiSparse startup check fails with a message that
+names the setting, its value, the limit and the fix (spec 6.3), and the
+config-only checks run through ``verify_hisparse_config`` on a real
+VllmConfig. The RAM check reads psutil, which is monkeypatched."""
+
+import json
+import logging
+import re
+from collections import namedtuple
+
+import psutil
+import pytest
+
+from vllm.config import AttentionConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.config.hisparse import HiSparseConfig
+from vllm.v1.hisparse import config_checks as cc
+from vllm.v1.hisparse.config_checks import HiSparseConfigError
+
+GiB = 1 << 30
+
+
+def raises(message: str):
+    """The exact message (spec 6.3 wording plus setting/value/limit/fix)."""
+    return pytest.raises(HiSparseConfigError, match=f"^{re.escape(message)}$")
+
+
+@pytest.fixture
+def ram(monkeypatch):
+    """Set the RAM psutil reports as available, in GiB."""
+
+    def set_available(gib: float) -> None:
+        vm = namedtuple("vm", "available")(available=int(gib * GiB))
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: vm)
+
+    set_available(1 << 20)
+    return set_available
+
+
+# ------------------------------------------------------------ unit checks
+
+
+def test_model_not_sparse_mla():
+    """6.3 #3: a model without index_topk."""
+    with raises(
+        "HiSparse supports sparse-MLA models with an indexer (DeepSeek-V3.2, "
+        "GLM-5.x); OPTForCausalLM is not supported (its config has no index_topk: "
+        "not a sparse-MLA model). Remove attention_config.hisparse_config to serve "
+        "this model."
+    ):
+        cc.check_model_supported("OPTForCausalLM", None, "opt")
+
+
+def test_model_deepseek_v4():
+    """6.3 #3: DeepSeek-V4 compressed caches are a non-goal."""
+    with pytest.raises(
+        HiSparseConfigError,
+        match="DeepseekV4ForCausalLM is not "
+        "supported \\(DeepSeek-V4 compressed caches are a non-goal\\)",
+    ):
+        cc.check_model_supported("DeepseekV4ForCausalLM", 512, "deepseek_v4")
+    cc.check_model_supported("GlmMoeDsaForCausalLM", 2048, "glm_moe_dsa")
+
+
+@pytest.mark.parametrize(
+    "sizes, name",
+    [
+        ((2, 1, 1), "pipeline_parallel_size"),
+        ((1, 4, 1), "decode_context_parallel_size"),
+        ((1, 1, 2), "prefill_context_parallel_size"),
+    ],
+)
+def test_parallelism(sizes, name):
+    """6.3 #5: PP = DCP = PCP = 1."""
+    value = max(sizes)
+    with raises(
+        f"HiSparse does not support {name}={value} (the limit is 1); set "
+        f"{name}=1 or remove attention_config.hisparse_config."
+    ):
+        cc.check_parallelism(*sizes)
+    cc.check_parallelism(1, 1, 1)
+
+
+def test_cudagraph_full_refused():
+    """6.3 #6, the spec's wording."""
+    with raises(
+        "HiSparse needs per-batch routing; use FULL_AND_PIECEWISE, "
+        "FULL_DECODE_ONLY or PIECEWISE instead of FULL "
+        "(compilation_config.cudagraph_mode=FULL)."
+    ):
+        cc.check_cudagraph_mode("FULL")
+    for mode in ("NONE", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        cc.check_cudagraph_mode(mode)
+
+
+def test_hybrid_kv_cache_manager_required():
+    """6.3 #7."""
+    with pytest.raises(
+        HiSparseConfigError, match="disable_hybrid_kv_cache_manager=True"
+    ):
+        cc.check_hybrid_kv_cache_manager(True)
+    cc.check_hybrid_kv_cache_manager(False)
+
+
+def test_speculation_mtp_only():
+    """6.3 #15."""
+    with raises(
+        "HiSparse supports speculative decoding with MTP only; "
+        "speculative_config.method=eagle3. Use method 'mtp' (or no speculation), "
+        "or remove attention_config.hisparse_config."
+    ):
+        cc.check_speculative_method("eagle3")
+    cc.check_speculative_method(None)
+    cc.check_speculative_method("mtp")
+
+
+def test_device_buffer_below_q_times_k():
+    """5.7 / 6.3 #10 / U-5: H >= q * K (MTP3: q = 4)."""
+    with raises(
+        "hisparse_config.device_buffer_size=6144 must be >= max_decode_query_len "
+        "x index_topk = 4 x 2048 = 8192; raise it to at least that (every decode "
+        "row of a step may select index_topk distinct rows)."
+    ):
+        cc.check_device_buffer_size(6144, 4, 2048, 64, configured=True)
+    cc.check_device_buffer_size(8192, 4, 2048, 64, configured=True)
+
+
+def test_device_buffer_default_above_int16():
+    """5.7 / 6.3 #10 / U-5: the default (q + 1) * K can exceed 32768."""
+    with raises(
+        "hisparse_config.device_buffer_size=33000 (the default "
+        "(max_decode_query_len + 1) x index_topk) exceeds the int16 slot limit "
+        "32768; set device_buffer_size between 30000 and 32768, or lower "
+        "num_speculative_tokens."
+    ):
+        cc.check_device_buffer_size(11 * 3000, 10, 3000, 64, configured=False)
+    cc.check_device_buffer_size(32768, 10, 3000, 64, configured=True)
+
+
+def test_q_times_k_above_int16():
+    """5.7 / U-5: no H can satisfy q * K <= H <= 32768 (MTP with 16 tokens)."""
+    with raises(
+        "HiSparse needs device_buffer_size >= max_decode_query_len x index_topk "
+        "= 17 x 2048 = 34816, beyond the int16 slot limit 32768; lower "
+        "num_speculative_tokens to at most 15."
+    ):
+        cc.check_device_buffer_size(32768, 17, 2048, 64, configured=True)
+    cc.check_device_buffer_size(32768, 16, 2048, 64, configured=True)
+
+
+def test_device_buffer_alignment_warns():
+    """5.7 / U-5: H % B != 0 is a warning (wasted padding rows), not an error."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("vllm.v1.hisparse.config_checks")
+    logger.addHandler(handler)
+    try:
+        cc.check_device_buffer_size(4100, 1, 2048, 64, configured=True)
+    finally:
+        logger.removeHandler(handler)
+    assert records == [
+        (
+            "HiSparse: device_buffer_size=4100 is not a multiple of the block "
+            "size 64; the last hot block of every region wastes 60 rows."
+        )
+    ]
+
+
+def test_one_block_size():
+    """6.3 #8."""
+    with raises(
+        "HiSparse needs one block size across the sparse-MLA, indexer and other "
+        "KV-cache layers (the limit is 1 distinct value); found [64, 128] (e.g. "
+        "a.attn=64, b.indexer.k_cache=128). Set one --block-size (64, the "
+        "FlashMLA sparse block size)."
+    ):
+        cc.check_block_sizes({"a.attn": 64, "b.indexer.k_cache": 128, "c.attn": 64})
+    assert cc.check_block_sizes({"a": 64, "b": 64}) == 64
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, dtype, row",
+    [("auto", "float16", 1152), ("fp8_e4m3", "float8_e4m3fn", 576)],
+)
+def test_row_format(cache_dtype, dtype, row):
+    """6.3 #4: fp8_ds_mla (656 B) or bf16 (1152 B) rows only."""
+    with raises(
+        "HiSparse supports the sparse-MLA KV formats fp8_ds_mla (656-B rows) and "
+        f"bf16 (1152-B rows); layer l.attn has kv_cache_dtype={cache_dtype} (dtype "
+        f"{dtype}, {row}-B rows). Use --kv-cache-dtype fp8 (stored as fp8_ds_mla "
+        "by FlashMLA sparse) or auto with a bf16 model."
+    ):
+        cc.check_row_format("l.attn", cache_dtype, dtype, row)
+    cc.check_row_format("l.attn", "fp8_ds_mla", "uint8", 656)
+    cc.check_row_format("l.attn", "auto", "bfloat16", 1152)
+
+
+def test_host_pool_one_request():
+    """6.3 #12 / U-3: N_host >= cdiv(max_model_len, B) + 2; the advice is
+    rounded up: (1563 + 2) * 2,519,040 B = 3.67 GiB -> 3.7."""
+    with raises(
+        "HiSparse host pool holds 1000 blocks but one max_model_len=100000 request "
+        "needs 1565; raise host_pool_gib to at least 3.7 "
+        "(hisparse_config.host_pool_gib=2.35, 2519040 B per host block) or lower "
+        "max_model_len."
+    ):
+        cc.check_host_pool_holds_one_request(1000, 100_000, 64, 2_519_040, 2.35)
+    cc.check_host_pool_holds_one_request(1565, 100_000, 64, 2_519_040, 3.7)
+
+
+def test_host_ram_private_pools(ram):
+    """6.3 #13 / U-3: private TP pools multiply; the limit is 95%."""
+    ram(100)
+    with raises(
+        "HiSparse pinned host pool needs 96.0 GiB but only 100.0 GiB of RAM is "
+        "available (limit 95%: 95.0 GiB); lower host_pool_gib or leave headroom "
+        "for co-tenants (hisparse_config.host_pool_gib=48.0, 2 private pools, one "
+        "per TP rank)."
+    ):
+        cc.check_host_ram(48 * GiB, 48.0, 2, shared=False)
+    cc.check_host_ram(48 * GiB, 48.0, 2, shared=True)  # one shared pool: fits
+    cc.check_host_ram(95 * GiB, 95.0, 1, shared=False)  # exactly 95%: fits
+    with pytest.raises(HiSparseConfigError, match="one pool shared by the TP ranks"):
+        cc.check_host_ram(95 * GiB + 1, 95.0, 1, shared=False)
+
+
+def test_host_pool_gib_resolution():
+    """6.1/6.2: hisparse_config.host_pool_gib, else an explicitly named
+    HiSparseConnector's kv_connector_extra_config, else an error."""
+
+    def config(hisparse: dict, kv_transfer: KVTransferConfig | None = None):
+        vllm_config = VllmConfig(
+            attention_config=AttentionConfig(
+                hisparse_config=HiSparseConfig(**hisparse)
+            ),
+        )
+        vllm_config.kv_transfer_config = kv_transfer
+        return vllm_config
+
+    assert cc.resolve_host_pool_gib(config({"host_pool_gib": 8})) == 8
+    with raises(
+        "hisparse_config.host_pool_gib is not set; HiSparse keeps all sparse-MLA "
+        "KV history in a pinned host pool and needs its size (GiB per DP "
+        "replica). Set it, e.g. --attention-config "
+        '\'{"hisparse_config": {"host_pool_gib": 64}}\'.'
+    ):
+        cc.resolve_host_pool_gib(config({}))
+    connector = KVTransferConfig(
+        kv_connector="HiSparseConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"host_pool_gib": "12"},
+    )
+    assert cc.resolve_host_pool_gib(config({}, connector)) == 12.0
+
+
+# ------------------------------------------------- verify_hisparse_config
+
+
+@pytest.fixture(scope="module")
+def sparse_model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dsv32")
+    config = {
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "model_type": "deepseek_v32",
+        "hidden_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 256,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "index_topk": 256,
+        "index_head_dim": 128,
+        "index_n_heads": 8,
+        "vocab_size": 8192,
+        "max_position_embeddings": 16384,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 256,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "torch_dtype": "bfloat16",
+        "rope_theta": 10000,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def vllm_config_for(model: str, hisparse: dict | None) -> VllmConfig:
+    attention = AttentionConfig(
+        hisparse_config=HiSparseConfig(**hisparse) if hisparse is not None else None
+    )
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=model, max_model_len=2048, skip_tokenizer_init=True
+        ),
+        attention_config=attention,
+    )
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return vllm_config
+
+
+def test_verify_off_is_a_noop(ram):
+    """HiSparse off: nothing is checked (a non-sparse model is fine)."""
+    ram(0.001)
+    cc.verify_hisparse_config(vllm_config_for("facebook/opt-125m", None))
+
+
+def test_verify_refuses_non_sparse_model(ram):
+    """R1: HiSparse on a dense model fails with the model check's message."""
+    with pytest.raises(
+        HiSparseConfigError,
+        match="^HiSparse supports sparse-MLA "
+        "models with an indexer .*; OPTForCausalLM is not supported",
+    ):
+        cc.verify_hisparse_config(
+            vllm_config_for("facebook/opt-125m", {"host_pool_gib": 1})
+        )
+
+
+def test_verify_sparse_model(sparse_model_dir, ram):
+    """R1: a sparse-MLA model passes; each config-level violation then fails
+    with its own check's message, in spec 6.3 order."""
+    vllm_config = vllm_config_for(sparse_model_dir, {"host_pool_gib": 4})
+    cc.verify_hisparse_config(vllm_config)
+
+    vllm_config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(HiSparseConfigError, match="pipeline_parallel_size=2"):
+        cc.verify_hisparse_config(vllm_config)
+    vllm_config.parallel_config.pipeline_parallel_size = 1
+
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    with pytest.raises(HiSparseConfigError, match="hybrid KV-cache manager"):
+        cc.verify_hisparse_config(vllm_config)
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+
+    # index_topk 256, q 1: H = 200 < 256.
+    vllm_config.attention_config.hisparse_config.device_buffer_size = 200
+    with pytest.raises(
+        HiSparseConfigError,
+        match="device_buffer_size=200 must be >= "
+        "max_decode_query_len x index_topk = 1 x 256 = 256",
+    ):
+        cc.verify_hisparse_config(vllm_config)
+    vllm_config.attention_config.hisparse_config.device_buffer_size = None
+
+    ram(4)  # 4 GiB pool > 95% of 4 GiB
+    with pytest.raises(HiSparseConfigError, match="needs 4.0 GiB but only 4.0 GiB"):
+        cc.verify_hisparse_config(vllm_config)

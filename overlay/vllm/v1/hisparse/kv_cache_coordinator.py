@@ -20,6 +20,8 @@ allocation) drives materialization and residency, ``free`` /
 copies before the managers release the rest.
 """
 
+from collections.abc import Sequence
+
 from vllm.distributed.kv_events import MEDIUM_CPU, KVCacheEvent
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
@@ -149,6 +151,15 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         gpu_pool.hisparse = self.hisparse
         self._replace_hisparse_managers(kv_cache_config)
         self.verify_and_split_kv_cache_groups()
+        # Resident groups (and hot groups) move in lockstep: same page count,
+        # same allocation decisions (INV-7, INV-5). The per-step hot path
+        # asks the first of each set and applies the answer to all, instead
+        # of looping over every group per request.
+        self._lockstep = (self.resident_group_ids, self.hot_group_ids)
+        paired = {*self.resident_group_ids, *self.hot_group_ids}
+        self._own_group_ids = tuple(
+            g for g in range(len(self.single_type_managers)) if g not in paired
+        )
 
     def _replace_hisparse_managers(self, config: HiSparseKVCacheConfig) -> None:
         """Swap the registry's default managers of the HiSparse groups for
@@ -253,8 +264,94 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
 
     # ----------------------------------------------------- per-step hooks
 
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        managers = self.single_type_managers
+        lead_ids = self._own_group_ids + tuple(g[0] for g in self._lockstep if g)
+        total = 0
+        for gid in lead_ids:
+            n = managers[gid].get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks[gid],
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+            )
+            total += n * self._multiplicity(gid)
+        return total
+
+    def _multiplicity(self, gid: int) -> int:
+        for group_ids in self._lockstep:
+            if group_ids and gid == group_ids[0]:
+                return len(group_ids)
+        return 1
+
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        managers = self.single_type_managers
+        out: list[list[KVCacheBlock]] = [[] for _ in managers]
+        for gid in self._own_group_ids:
+            out[gid] = managers[gid].allocate_new_blocks(
+                request_id, num_tokens, num_tokens_main_model
+            )
+        for group_ids in self._lockstep:
+            if not group_ids:
+                continue
+            n = managers[group_ids[0]].num_new_blocks(request_id, num_tokens)
+            if n == 0:
+                continue
+            # One pool call for the whole set; reuse watchers fire inside it.
+            blocks = self.block_pool.get_new_blocks(n * len(group_ids))
+            for i, gid in enumerate(group_ids):
+                out[gid] = blocks[i * n:(i + 1) * n]
+                managers[gid].req_to_blocks[request_id].extend(out[gid])
+        return tuple(out)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        # Resident and hot groups never skip tokens (full attention).
+        for gid in self._own_group_ids:
+            self.single_type_managers[gid].remove_skipped_blocks(
+                request_id, processed_computed_tokens, num_prompt_tokens
+            )
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        super().cache_blocks(request, num_computed_tokens)
+        """Cache the source (publish when durable), indexer and other groups
+        (the pin's rule, including the EAGLE lookahead block); resident and
+        hot groups are never prefix-cached. Then run the residency step."""
+        aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
+        managers = self.single_type_managers
+        for gid in self._own_group_ids:
+            manager = managers[gid]
+            num_tokens = aligned
+            if manager.use_eagle and aligned > 0:
+                num_tokens = min(num_computed_tokens, aligned + manager.block_size)
+            manager.cache_blocks(
+                request, num_tokens, retention_interval=self.retention_interval
+            )
+        for group_ids in self._lockstep:
+            for gid in group_ids:
+                managers[gid].num_cached_block.setdefault(request.request_id, 0)
         self.hisparse.advance_scheduled(request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:

@@ -185,6 +185,11 @@ class HiSparseResidentManager(FullAttentionManager):
             [block_pool.null_block] * num_pages for _ in kv_cache_group_ids
         ), length
 
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Pages ``allocate_new_blocks`` would add for ``num_tokens``."""
+        held = len(self.req_to_blocks.get(request_id, ()))
+        return max(cdiv(num_tokens, self.block_size) - held, 0)
+
     def add_local_computed_blocks(
         self,
         request_id: str,
@@ -293,17 +298,21 @@ class HiSparseHotManager(FullAttentionManager):
     ) -> None:
         return None  # a hot region is not context
 
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Blocks ``allocate_new_blocks`` would add: the rest of the region,
+        once the request is hot-required."""
+        if not self.hisparse.is_hot_required(request_id):
+            return 0
+        return max(self.region_blocks - len(self.req_to_blocks.get(request_id, ())), 0)
+
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
     ) -> list[KVCacheBlock]:
-        if not self.hisparse.is_hot_required(request_id):
-            return []
-        held = self.req_to_blocks[request_id]
-        need = self.region_blocks - len(held)
-        if need <= 0:
+        need = self.num_new_blocks(request_id, num_tokens)
+        if need == 0:
             return []
         blocks = self.block_pool.get_new_blocks(need)
-        held.extend(blocks)
+        self.req_to_blocks[request_id].extend(blocks)
         return blocks
 
     def cache_blocks(

@@ -25,6 +25,7 @@ import numpy as np
 from vllm.config import (
     AttentionConfig,
     CacheConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -143,6 +144,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 256,
     max_model_len: int = 4096,
     kv_transfer_config: KVTransferConfig | None = None,
+    kv_events_config: KVEventsConfig | None = None,
 ) -> Scheduler:
     """vLLM's Scheduler over ``kv_cache_config``. With a HiSparse config,
     HiSparse is enabled and the connector defaults to HiSparseConnector
@@ -176,6 +178,7 @@ def make_scheduler(
         kv_transfer_config=kv_transfer_config
         or (KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both")
             if hisparse else None),
+        kv_events_config=kv_events_config,
     )
     scheduler = Scheduler(
         vllm_config=vllm_config,

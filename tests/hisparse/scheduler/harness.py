@@ -68,15 +68,32 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 B = 64
-EOS = 50256
-OPT_CONFIG = {
-    "architectures": ["OPTForCausalLM"], "model_type": "opt",
-    "activation_function": "relu", "do_layer_norm_before": True,
-    "ffn_dim": 3072, "hidden_size": 768, "num_attention_heads": 12,
-    "num_hidden_layers": 12, "max_position_embeddings": 65536,
-    "vocab_size": 50272, "word_embed_proj_dim": 768, "torch_dtype": "float16",
-    "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1,
-}
+EOS = 1
+# A tiny GLM-5-architecture model (GlmMoeDsaForCausalLM): the real MLA and
+# indexer dimensions, few layers. Only config.json is needed: the scheduler
+# never loads weights or a tokenizer.
+def glm_config(num_layers: int = 4, index_topk: int = 64, freq: int = 1) -> dict:
+    return {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+        "dtype": "bfloat16", "vocab_size": 8192, "hidden_size": 1024,
+        "intermediate_size": 2048, "moe_intermediate_size": 256,
+        "num_hidden_layers": num_layers, "first_k_dense_replace": 1,
+        "num_attention_heads": 64, "num_key_value_heads": 64,
+        "q_lora_rank": 512, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "head_dim": 64,
+        "n_routed_experts": 16, "n_shared_experts": 1, "num_experts_per_tok": 4,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "moe_layer_freq": 1, "hidden_act": "silu",
+        "max_position_embeddings": 65536, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "rope_interleave": True, "index_topk": index_topk, "index_n_heads": 32,
+        "index_head_dim": 128, "index_topk_freq": freq,
+        "indexer_rope_interleave": True, "attention_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
+        "num_nextn_predict_layers": 0,
+    }
 
 
 def tiny_glm_specs(num_layers: int, index_topk: int, freq: int) -> dict:
@@ -150,9 +167,9 @@ def make_scheduler(
     HiSparse is enabled and the connector defaults to HiSparseConnector
     alone; with any other config, this is the pin's own scheduler."""
     hisparse = isinstance(kv_cache_config, HiSparseKVCacheConfig)
-    model_dir = tmp_dir / "opt"
+    model_dir = tmp_dir / "glm"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(OPT_CONFIG))
+    (model_dir / "config.json").write_text(json.dumps(glm_config()))
     model_config = ModelConfig(
         model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True,
         max_model_len=max_model_len,
@@ -180,6 +197,11 @@ def make_scheduler(
             if hisparse else None),
         kv_events_config=kv_events_config,
     )
+    # vLLM's CPU platform (forced for these tests) disables chunked prefill
+    # for MLA models; the CUDA platform that serves HiSparse does not.
+    # Schedule as on the GPU.
+    vllm_config.scheduler_config.enable_chunked_prefill = True
+    vllm_config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,

@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+//
+// torch.ops.hisparse_ops.* registration through the libtorch stable ABI.
+// Schemas mark every tensor an op writes (Tensor(a!)) so torch.compile and
+// functionalization see the mutations. Ops whose tensors are all on the GPU
+// dispatch to CUDA; the gathers may also take a pinned host source, which the
+// dispatcher routes to the CUDA kernel as well (CUDA outranks CPU).
+#include "ops.h"
+
+STABLE_TORCH_LIBRARY(hisparse_ops, m) {
+  m.def(
+      "resolve_residency(Tensor topk, Tensor row_req, Tensor seq_lens, "
+      "Tensor req_state, Tensor src_bt, Tensor res_bt, Tensor hot_bt, "
+      "Tensor(a!) dgi, Tensor(b!) lru, int host_rows, int block_size, "
+      "int attn_block_stride, int max_query_len, Tensor(c!) out_rows, "
+      "Tensor(d!) valid_counts, Tensor(e!) plan_src, Tensor(f!) plan_dst, "
+      "Tensor(g!) plan_count, Tensor(h!)? miss_mask=None, "
+      "Tensor(i!)? resolved_g=None, Tensor(j!)? stats=None) -> ()");
+  m.def(
+      "gather_compact(Tensor src, Tensor(a!) dst, Tensor plan_src, "
+      "Tensor plan_dst, Tensor plan_count) -> ()");
+  m.def(
+      "gather_plan(Tensor src, Tensor(a!) dst, Tensor src_rows, "
+      "Tensor dst_rows, Tensor mask, Tensor? req_state, "
+      "Tensor(b!)? out_rows, int attn_block_stride) -> ()");
+  m.def(
+      "invalidate_written_slots(Tensor(a!) dgi, Tensor req_state, "
+      "Tensor token_req, Tensor written_g) -> ()");
+  m.def(
+      "copy_descriptors(Tensor src_ptr, Tensor dst_ptr, Tensor nbytes) -> ()");
+  m.def(
+      "resolver_smem_bytes(int top_k, int max_query_len, int hot_size) "
+      "-> int");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(hisparse_ops, CUDA, m) {
+  m.impl("resolve_residency", TORCH_BOX(&hisparse::resolve_residency));
+  m.impl("gather_compact", TORCH_BOX(&hisparse::gather_compact));
+  m.impl("gather_plan", TORCH_BOX(&hisparse::gather_plan));
+  m.impl("invalidate_written_slots",
+         TORCH_BOX(&hisparse::invalidate_written_slots));
+  m.impl("copy_descriptors", TORCH_BOX(&hisparse::copy_descriptors));
+}
+
+// No tensor arguments, hence no device to dispatch on.
+STABLE_TORCH_LIBRARY_IMPL(hisparse_ops, CompositeExplicitAutograd, m) {
+  m.impl("resolver_smem_bytes", TORCH_BOX(&hisparse::resolver_smem_bytes));
+}

@@ -1,0 +1,479 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Launchers for the HiSparse CUDA kernels (spec section 5, component C8).
+
+The kernels live in the standalone ``hisparse_ops`` extension
+(``scripts/build-kernels.sh``) and are registered as
+``torch.ops.hisparse_ops.<name>``. This module finds and loads it, checks every
+tensor argument before a launch (device, dtype, rank, contiguity and the shape
+relations of spec 5.0/5.1, with messages that name the argument) and owns the
+resolver's shared-memory preflight, which the startup checks (6.3 items 10-11)
+and the launcher share.
+
+Where the extension is looked for, in order:
+
+1. ``$HISPARSE_OPS_LIBRARY``: path of ``_hisparse_ops.so``;
+2. the importable package ``hisparse_ops`` (what the build script installs);
+3. ``vllm/_hisparse_C*.so`` from a full vLLM source build
+   (``csrc/hisparse/hisparse.cmake``).
+
+Launchers never synchronise with the device and never read device values on
+the host, so they are safe inside CUDA-graph capture (INV-32); all checks look
+at tensor metadata only. This module imports only torch and the standard
+library.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib
+import importlib.util
+import os
+
+import torch
+
+LIBRARY_ENV = "HISPARSE_OPS_LIBRARY"
+REQUIRED_OPS = ("resolve_residency", "gather_compact", "gather_plan",
+                "invalidate_written_slots", "copy_descriptors")
+MISSING_MESSAGE = ("HiSparse kernels are missing ({op}); install the "
+                   "hisparse_ops extension built for this torch.")
+# Slot ids are int16 (lru), so a hot region holds at most 32768 rows.
+MAX_HOT_SIZE = 32768
+# Counter layout of the optional ``stats`` tensor (uint64, 2 to 4 entries).
+STATS_FIELDS = ("hits", "misses", "tripped_misses", "rejected_rows")
+
+
+class HiSparseKernelsMissing(RuntimeError):
+    """The hisparse_ops extension, or one of its ops, cannot be found."""
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+def _namespace_has(op: str) -> bool:
+    try:
+        getattr(torch.ops.hisparse_ops, op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _in_tree_libraries() -> list[str]:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found: list[str] = []
+    for folder in spec.submodule_search_locations:
+        found += sorted(glob.glob(os.path.join(folder, "_hisparse_C*.so")))
+    return found
+
+
+def _try_load() -> list[str]:
+    """Load the first extension found; return the reasons of failures."""
+    errors: list[str] = []
+    path = os.environ.get(LIBRARY_ENV)
+    if path:
+        try:
+            torch.ops.load_library(path)
+            return errors
+        except (OSError, RuntimeError) as err:  # missing, wrong torch, dup
+            errors.append(f"{LIBRARY_ENV}={path}: {err}")
+    try:
+        importlib.import_module("hisparse_ops")
+        return errors
+    except ImportError as err:
+        errors.append(f"import hisparse_ops: {err}")
+    except (OSError, RuntimeError) as err:
+        errors.append(f"hisparse_ops library: {err}")
+    for lib in _in_tree_libraries():
+        try:
+            torch.ops.load_library(lib)
+            return errors
+        except (OSError, RuntimeError) as err:
+            errors.append(f"{lib}: {err}")
+    return errors
+
+
+@functools.cache
+def _load_errors() -> tuple[str, ...]:
+    if all(_namespace_has(op) for op in REQUIRED_OPS):
+        return ()
+    return tuple(_try_load())
+
+
+def missing_op() -> str | None:
+    """Name of the first required op that cannot be found, loading first."""
+    _load_errors()
+    for op in REQUIRED_OPS:
+        if not _namespace_has(op):
+            return op
+    return None
+
+
+def require_ops() -> None:
+    """Startup check 6.3 item 2: the extension and all five ops exist."""
+    op = missing_op()
+    if op is not None:
+        detail = "; ".join(_load_errors())
+        err = HiSparseKernelsMissing(MISSING_MESSAGE.format(op=op))
+        if detail:
+            raise err from RuntimeError(detail)
+        raise err
+
+
+def ops_available() -> bool:
+    return missing_op() is None
+
+
+@functools.cache
+def _ops():
+    require_ops()
+    return torch.ops.hisparse_ops
+
+
+# ---------------------------------------------------------------------------
+# Shared-memory preflight (spec 5.1 "Shared memory", 5.7, 6.3 items 10-11)
+# ---------------------------------------------------------------------------
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def resolver_smem_bytes(top_k: int, max_query_len: int, hot_size: int) -> int:
+    """Bytes of shared memory one resolver CTA needs (normative formula).
+
+    smem = 8*Hs + 6*Umax + 2*H + 8*C + 32 with Umax = q*K,
+    Hs = round_up(ceil(1.5*Umax), 32) and C = ceil(max(H, Umax)/32) + 1.
+    The extension's ``resolver_smem_bytes`` op computes the same number from
+    the layout the kernel actually carves (test K-13).
+    """
+    union_max = max_query_len * top_k
+    hash_size = _cdiv(_cdiv(3 * union_max, 2), 32) * 32
+    scan_words = _cdiv(max(hot_size, union_max), 32) + 1
+    return (8 * hash_size + 6 * union_max + 2 * hot_size + 8 * scan_words
+            + 32)
+
+
+@functools.cache
+def device_smem_limit(device_index: int) -> int:
+    """Opt-in maximum dynamic shared memory per block of a CUDA device."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(props.shared_memory_per_block_optin)
+
+
+def check_hot_size(top_k: int, max_query_len: int, hot_size: int) -> None:
+    """Startup check 6.3 item 10 (bounds of device_buffer_size)."""
+    need = max_query_len * top_k
+    if hot_size < need:
+        raise ValueError(
+            f"HiSparse device_buffer_size={hot_size} must be >= "
+            f"max_decode_query_len x index_topk = {need}")
+    if hot_size > MAX_HOT_SIZE:
+        raise ValueError(
+            f"HiSparse device_buffer_size={hot_size} exceeds the int16 slot "
+            f"limit {MAX_HOT_SIZE}.")
+
+
+@functools.cache
+def preflight_resolver(top_k: int, max_query_len: int, hot_size: int,
+                       smem_limit: int) -> int:
+    """Checks 6.3 items 10-11; returns the resolver's shared memory bytes.
+
+    ``smem_limit`` is the device's opt-in maximum (``device_smem_limit``);
+    passing it explicitly keeps this function usable before CUDA starts.
+    """
+    if top_k < 1 or max_query_len < 1:
+        raise ValueError(f"HiSparse needs index_topk >= 1 and "
+                         f"max_decode_query_len >= 1 (got {top_k}, "
+                         f"{max_query_len})")
+    check_hot_size(top_k, max_query_len, hot_size)
+    need = resolver_smem_bytes(top_k, max_query_len, hot_size)
+    if need > smem_limit:
+        raise ValueError(
+            f"HiSparse resolver needs {need} B of shared memory per block for "
+            f"device_buffer_size={hot_size} and {max_query_len}×{top_k} union "
+            f"rows; the device allows {smem_limit} B. Lower "
+            "device_buffer_size or num_speculative_tokens.")
+    return need
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (metadata only: no device reads, graph-capture safe)
+# ---------------------------------------------------------------------------
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, dim: int,
+           device: torch.device, contiguous: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not "
+                        f"{type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (found {t.device})")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} (found {t.dtype})")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimension(s) (found "
+                         f"shape {tuple(t.shape)})")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_dim(t: torch.Tensor, name: str, dim: int, expected: int,
+               what: str) -> None:
+    if t.shape[dim] != expected:
+        raise ValueError(f"{name}.shape[{dim}] must equal {what} = "
+                         f"{expected} (found {t.shape[dim]})")
+
+
+def _require_cuda(t: torch.Tensor, name: str) -> torch.device:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor")
+    return t.device
+
+
+def validate_resolve_args(topk, row_req, seq_lens, req_state, src_bt, res_bt,
+                          hot_bt, dgi, lru, host_rows: int, block_size: int,
+                          attn_block_stride: int, max_query_len: int,
+                          out_rows, valid_counts, plan_src, plan_dst,
+                          plan_count, miss_mask=None, resolved_g=None,
+                          stats=None, *, device: torch.device) -> None:
+    """Every K1 precondition of spec 5.0/5.1 that metadata can show."""
+    i32 = torch.int32
+    _check(topk, "topk", i32, 2, device)
+    rows, top_k = topk.shape
+    if top_k < 1:
+        raise ValueError("topk.shape[1] (index_topk) must be >= 1")
+    _check(row_req, "row_req", i32, 1, device)
+    _check_dim(row_req, "row_req", 0, rows, "topk.shape[0]")
+    _check(seq_lens, "seq_lens", i32, 1, device)
+    reqs = seq_lens.shape[0]
+    _check(req_state, "req_state", i32, 1, device)
+    _check_dim(req_state, "req_state", 0, reqs, "seq_lens.shape[0]")
+    for t, name in ((src_bt, "src_bt"), (res_bt, "res_bt"),
+                    (hot_bt, "hot_bt")):
+        _check(t, name, i32, 2, device)
+        _check_dim(t, name, 0, reqs, "seq_lens.shape[0]")
+    _check(dgi, "dgi", i32, 2, device)
+    _check(lru, "lru", torch.int16, 2, device)
+    _check_dim(lru, "lru", 0, dgi.shape[0], "dgi.shape[0]")
+    _check_dim(lru, "lru", 1, dgi.shape[1], "dgi.shape[1]")
+    hot_size = dgi.shape[1]
+    check_hot_size(top_k, max_query_len, hot_size)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    if attn_block_stride < block_size:
+        raise ValueError(f"attn_block_stride={attn_block_stride} must be >= "
+                         f"block_size={block_size}")
+    if not 0 <= host_rows < 2**31:
+        raise ValueError(f"host_rows={host_rows} must be in [0, 2^31) "
+                         "(INV-14)")
+    if hot_bt.shape[1] < _cdiv(hot_size, block_size):
+        raise ValueError(f"hot_bt.shape[1] must be >= cdiv(device_buffer_"
+                         f"size, block_size) = {_cdiv(hot_size, block_size)} "
+                         f"(found {hot_bt.shape[1]})")
+    for t, name in ((out_rows, "out_rows"), (plan_src, "plan_src"),
+                    (plan_dst, "plan_dst"), (miss_mask, "miss_mask"),
+                    (resolved_g, "resolved_g")):
+        if t is None and name in ("miss_mask", "resolved_g"):
+            continue
+        _check(t, name, i32, 2, device)
+        _check_dim(t, name, 0, rows, "topk.shape[0]")
+        _check_dim(t, name, 1, top_k, "topk.shape[1]")
+    for t, name in ((valid_counts, "valid_counts"),
+                    (plan_count, "plan_count")):
+        _check(t, name, i32, 1, device)
+        _check_dim(t, name, 0, rows, "topk.shape[0]")
+    if stats is not None:
+        _check(stats, "stats", torch.uint64, 1, device)
+        if not 2 <= stats.shape[0] <= 4:
+            raise ValueError(f"stats must hold 2 to 4 uint64 counters "
+                             f"{STATS_FIELDS} (found {stats.shape[0]})")
+
+
+def as_byte_rows(t: torch.Tensor, name: str, dim: int) -> torch.Tensor:
+    """View a row array as uint8 (the kernels are dtype-agnostic)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions (found shape "
+                         f"{tuple(t.shape)})")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (stride(-1) == 1)")
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def validate_byte_views(src: torch.Tensor, dst: torch.Tensor, *,
+                        device: torch.device) -> None:
+    """src: [rows, W] uint8 on ``device`` or host; dst: [N, B, W] uint8."""
+    if dst.device != device:
+        raise ValueError(f"dst must be on {device} (found {dst.device})")
+    if src.device.type != "cpu" and src.device != device:
+        raise ValueError(f"src must be on {device} or in pinned host memory "
+                         f"(found {src.device})")
+    if src.shape[1] != dst.shape[2]:
+        raise ValueError(f"src.shape[1] must equal dst.shape[2] (W) = "
+                         f"{dst.shape[2]} (found {src.shape[1]})")
+    if dst.shape[2] % 16:
+        raise ValueError(f"row size W={dst.shape[2]} bytes must be a "
+                         "multiple of 16")
+    if dst.shape[1] < 1:
+        raise ValueError("dst.shape[1] (block_size) must be >= 1")
+
+
+def validate_gather_compact(src, dst, plan_src, plan_dst, plan_count, *,
+                            device: torch.device) -> None:
+    validate_byte_views(src, dst, device=device)
+    _check(plan_src, "plan_src", torch.int32, 2, device)
+    rows, top_k = plan_src.shape
+    _check(plan_dst, "plan_dst", torch.int32, 2, device)
+    _check_dim(plan_dst, "plan_dst", 0, rows, "plan_src.shape[0]")
+    _check_dim(plan_dst, "plan_dst", 1, top_k, "plan_src.shape[1]")
+    _check(plan_count, "plan_count", torch.int32, 1, device)
+    _check_dim(plan_count, "plan_count", 0, rows, "plan_src.shape[0]")
+
+
+def validate_gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
+                         out_rows, attn_block_stride: int, *,
+                         device: torch.device) -> None:
+    validate_byte_views(src, dst, device=device)
+    _check(src_rows, "src_rows", torch.int32, 2, device)
+    rows, cols = src_rows.shape
+    for t, name in ((dst_rows, "dst_rows"), (mask, "mask"),
+                    (out_rows, "out_rows")):
+        if t is None:
+            continue
+        _check(t, name, torch.int32, 2, device)
+        _check_dim(t, name, 0, rows, "src_rows.shape[0]")
+        _check_dim(t, name, 1, cols, "src_rows.shape[1]")
+    if req_state is not None:
+        _check(req_state, "req_state", torch.int32, 1, device)
+        if req_state.shape[0] < rows:
+            raise ValueError(f"req_state.shape[0] must be >= "
+                             f"src_rows.shape[0] = {rows} (found "
+                             f"{req_state.shape[0]})")
+    if attn_block_stride < dst.shape[1]:
+        raise ValueError(f"attn_block_stride={attn_block_stride} must be >= "
+                         f"dst.shape[1]={dst.shape[1]}")
+
+
+def validate_invalidate(dgi, req_state, token_req, written_g, *,
+                        device: torch.device) -> None:
+    _check(dgi, "dgi", torch.int32, 2, device)
+    _check(req_state, "req_state", torch.int32, 1, device)
+    _check(token_req, "token_req", torch.int32, 1, device)
+    _check(written_g, "written_g", torch.int64, 1, device)
+    _check_dim(written_g, "written_g", 0, token_req.shape[0],
+               "token_req.shape[0]")
+
+
+def validate_descriptors(src_ptr, dst_ptr, nbytes, *,
+                         device: torch.device) -> None:
+    _check(src_ptr, "src_ptr", torch.int64, 1, device)
+    for t, name in ((dst_ptr, "dst_ptr"), (nbytes, "nbytes")):
+        _check(t, name, torch.int64, 1, device)
+        _check_dim(t, name, 0, src_ptr.shape[0], "src_ptr.shape[0]")
+
+
+# ---------------------------------------------------------------------------
+# Launchers: validate, then launch on the current stream of the device.
+# ---------------------------------------------------------------------------
+
+def resolve_residency(topk: torch.Tensor, row_req: torch.Tensor,
+                      seq_lens: torch.Tensor, req_state: torch.Tensor,
+                      src_bt: torch.Tensor, res_bt: torch.Tensor,
+                      hot_bt: torch.Tensor, dgi: torch.Tensor,
+                      lru: torch.Tensor, host_rows: int, block_size: int,
+                      attn_block_stride: int, max_query_len: int,
+                      out_rows: torch.Tensor, valid_counts: torch.Tensor,
+                      plan_src: torch.Tensor, plan_dst: torch.Tensor,
+                      plan_count: torch.Tensor,
+                      miss_mask: torch.Tensor | None = None,
+                      resolved_g: torch.Tensor | None = None,
+                      stats: torch.Tensor | None = None) -> None:
+    """K1: resolve top-k positions to attention rows, updating the hot LRU.
+
+    Rows with the same ``row_req`` must be consecutive (at most
+    ``max_query_len`` of them); they are resolved as one union group.
+    """
+    device = _require_cuda(topk, "topk")
+    validate_resolve_args(topk, row_req, seq_lens, req_state, src_bt, res_bt,
+                          hot_bt, dgi, lru, host_rows, block_size,
+                          attn_block_stride, max_query_len, out_rows,
+                          valid_counts, plan_src, plan_dst, plan_count,
+                          miss_mask, resolved_g, stats, device=device)
+    index = torch.cuda.current_device() if device.index is None \
+        else device.index
+    preflight_resolver(topk.shape[1], max_query_len, dgi.shape[1],
+                       device_smem_limit(index))
+    _ops().resolve_residency(topk, row_req, seq_lens, req_state, src_bt,
+                             res_bt, hot_bt, dgi, lru, host_rows, block_size,
+                             attn_block_stride, max_query_len, out_rows,
+                             valid_counts, plan_src, plan_dst, plan_count,
+                             miss_mask, resolved_g, stats)
+
+
+def gather_compact(src: torch.Tensor, dst: torch.Tensor,
+                   plan_src: torch.Tensor, plan_dst: torch.Tensor,
+                   plan_count: torch.Tensor) -> None:
+    """K2: copy K1's miss plan from ``src`` rows into ``dst`` (hot view).
+
+    ``src`` is the layer's host view [host_rows, W] (pinned, device-mapped)
+    or a device array; ``dst`` the layer's [N_gpu, B, W] view of the slab.
+    Followers replay the leader's plan with their own views.
+    """
+    device = _require_cuda(dst, "dst")
+    src = as_byte_rows(src, "src", 2)
+    dst = as_byte_rows(dst, "dst", 3)
+    validate_gather_compact(src, dst, plan_src, plan_dst, plan_count,
+                            device=device)
+    _ops().gather_compact(src, dst, plan_src, plan_dst, plan_count)
+
+
+def gather_plan(src: torch.Tensor, dst: torch.Tensor,
+                src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                mask: torch.Tensor, req_state: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None,
+                attn_block_stride: int | None = None) -> None:
+    """K3: per-entry gather where ``mask`` is set; optional hma row ids.
+
+    ``attn_block_stride`` defaults to ``dst.shape[1]`` (strided addressing).
+    """
+    device = _require_cuda(dst, "dst")
+    src = as_byte_rows(src, "src", 2)
+    dst = as_byte_rows(dst, "dst", 3)
+    stride = dst.shape[1] if attn_block_stride is None else attn_block_stride
+    validate_gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
+                         out_rows, stride, device=device)
+    _ops().gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
+                       out_rows, stride)
+
+
+def invalidate_written_slots(dgi: torch.Tensor, req_state: torch.Tensor,
+                             token_req: torch.Tensor,
+                             written_g: torch.Tensor) -> None:
+    """K4: drop hot entries whose host rows this forward rewrote (INV-41)."""
+    device = _require_cuda(dgi, "dgi")
+    validate_invalidate(dgi, req_state, token_req, written_g, device=device)
+    _ops().invalidate_written_slots(dgi, req_state, token_req, written_g)
+
+
+def copy_descriptors(src_ptr: torch.Tensor, dst_ptr: torch.Tensor,
+                     nbytes: torch.Tensor) -> None:
+    """K5: one warp per (src, dst, nbytes) descriptor; device-usable
+    addresses (host pointers must be device-mapped); destinations must not
+    overlap."""
+    device = _require_cuda(src_ptr, "src_ptr")
+    validate_descriptors(src_ptr, dst_ptr, nbytes, device=device)
+    _ops().copy_descriptors(src_ptr, dst_ptr, nbytes)
+
+
+def new_hot_state(num_states: int, hot_size: int,
+                  device: torch.device | str) -> tuple[torch.Tensor,
+                                                       torch.Tensor]:
+    """Fresh (dgi, lru): every slot empty, LRU order 0..H-1 (spec 4.8)."""
+    dgi = torch.full((num_states, hot_size), -1, dtype=torch.int32,
+                     device=device)
+    lru = torch.arange(hot_size, dtype=torch.int16,
+                       device=device).repeat(num_states, 1)
+    return dgi, lru

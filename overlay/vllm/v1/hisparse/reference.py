@@ -1,0 +1,371 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU reference semantics of the HiSparse kernels (spec 5.6).
+
+These functions are the oracles of the kernel tests: every output tensor and
+the final ``dgi``/``lru`` of a kernel must equal theirs bit for bit. Each one
+mirrors its op's signature and mutates the given CPU tensors in place, so a
+test runs the op on GPU copies and the reference on CPU copies of the same
+tensors and compares everything, including cells an op must leave alone.
+
+Union groups are resolved one at a time, in row order, exactly as spec 5.1
+steps 0-7 describe; the work *inside* a group is vectorised with torch ops
+whose results do not depend on evaluation order (the tests cross-check this
+module against a literal per-entry loop).
+
+Decisions that complete the spec (docs/kernels.md lists them all):
+
+- a request index outside ``[0, Rq)`` or a state slot outside ``[0, S)`` is
+  padding, like -1 (memory safety, never an out-of-bounds read);
+- a union group longer than ``max_query_len`` rows breaks the caller contract:
+  its rows are written as padding and counted in ``stats[3]`` when present;
+- block ids <= 0 are null in the resident and source tables;
+- an attention id that is not a non-negative int32 (only possible when the
+  INV-14 startup range check is bypassed) resolves to -1;
+- ``resolved_g`` is the host row of entries served from the hot buffer and -1
+  for everything else (resident, invalid, tripped, padding);
+- plan cells past ``plan_count`` are not written; ``stats[2]`` (when present)
+  counts tripped misses.
+
+This module imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class UnionGroup:
+    """A run of rows resolved together (spec 5.1 "Union groups")."""
+
+    row0: int
+    rows: int
+    req: int  # -1 for padding rows
+    state: int  # -1 for padding rows
+    rejected: bool = False  # longer than max_query_len
+
+
+def union_groups(row_req: torch.Tensor, req_state: torch.Tensor,
+                 num_states: int, max_query_len: int) -> Iterator[UnionGroup]:
+    """Split the batch rows into union groups and padding rows."""
+    reqs = row_req.tolist()
+    states = req_state.tolist()
+    num_reqs = len(states)
+    row = 0
+    while row < len(reqs):
+        req = reqs[row]
+        if not 0 <= req < num_reqs:
+            yield UnionGroup(row, 1, -1, -1)
+            row += 1
+            continue
+        end = row + 1
+        while end < len(reqs) and reqs[end] == req:
+            end += 1
+        state = states[req]
+        if not 0 <= state < num_states:
+            yield UnionGroup(row, end - row, -1, -1)
+        else:
+            yield UnionGroup(row, end - row, req, state,
+                             rejected=end - row > max_query_len)
+        row = end
+
+
+def _to_int32(values: torch.Tensor) -> torch.Tensor:
+    """int64 -> int32 with two's-complement wrap, as a C cast does."""
+    wrapped = torch.remainder(values, 2**32)
+    wrapped = torch.where(wrapped > INT32_MAX, wrapped - 2**32, wrapped)
+    return wrapped.to(torch.int32)
+
+
+def _attention_ids(block: torch.Tensor, offset: torch.Tensor,
+                   attn_block_stride: int) -> torch.Tensor:
+    """hma = block*Sa + offset in 64 bit, stored as int32; negative -> -1."""
+    ids = _to_int32(block.to(torch.int64) * attn_block_stride + offset)
+    return torch.where(ids < 0, torch.full_like(ids, -1), ids)
+
+
+def _table_lookup(table_row: torch.Tensor, page: torch.Tensor,
+                  use: torch.Tensor) -> torch.Tensor:
+    """table_row[page] where use & page < width, else 0 (null block)."""
+    width = table_row.numel()
+    ok = use & (page < width)
+    if width == 0:
+        return torch.zeros_like(page)
+    vals = table_row.to(torch.int64)[page.clamp(0, width - 1)]
+    return torch.where(ok, vals, torch.zeros_like(vals))
+
+
+def _write_padding(g: UnionGroup, out_rows, valid_counts, plan_count,
+                   miss_mask, resolved_g) -> None:
+    rows = slice(g.row0, g.row0 + g.rows)
+    out_rows[rows] = -1
+    valid_counts[rows] = 0
+    plan_count[rows] = 0
+    if miss_mask is not None:
+        miss_mask[rows] = 0
+    if resolved_g is not None:
+        resolved_g[rows] = -1
+
+
+@dataclass
+class _Entries:
+    """Step 1 classification of a group's n*K entries, flat row-major."""
+
+    out: torch.Tensor  # int32 final ids for resident/invalid, -1 elsewhere
+    pending: torch.Tensor  # bool
+    keys: torch.Tensor  # int64 host row g (meaningful where pending)
+
+
+def _classify(topk_rows: torch.Tensor, seq_len: int, src_row: torch.Tensor,
+              res_row: torch.Tensor, host_rows: int, block_size: int,
+              attn_block_stride: int) -> _Entries:
+    p = topk_rows.reshape(-1).to(torch.int64)
+    valid = (p >= 0) & (p < seq_len)
+    page = torch.where(valid, p // block_size, torch.zeros_like(p))
+    off = torch.where(valid, p % block_size, torch.zeros_like(p))
+    res_block = _table_lookup(res_row, page, valid)
+    resident = valid & (res_block > 0)
+    src_block = _table_lookup(src_row, page, valid & ~resident)
+    keys = src_block * block_size + off
+    pending = valid & ~resident & (src_block > 0) & (keys < host_rows)
+    out = torch.full_like(p, -1, dtype=torch.int32)
+    res_ids = _attention_ids(res_block, off, attn_block_stride)
+    out[resident] = res_ids[resident]
+    return _Entries(out, pending, keys)
+
+
+@dataclass
+class _Union:
+    """Step 2: distinct pending keys in order of first occurrence."""
+
+    keys: torch.Tensor  # int64 [|U|]
+    entry_u: torch.Tensor  # union index of each pending entry
+    entry_first: torch.Tensor  # bool: first reference of its key
+    sorted_keys: torch.Tensor  # keys sorted ascending (for lookups)
+    sorted_to_u: torch.Tensor  # union index of each sorted key
+
+
+def _build_union(entries: _Entries) -> _Union:
+    flat = torch.nonzero(entries.pending).flatten()
+    keys = entries.keys[flat]
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    first = torch.full((uniq.numel(),), entries.pending.numel(),
+                       dtype=torch.int64)
+    first = first.scatter_reduce(0, inverse, flat, reduce="amin",
+                                 include_self=True)
+    order = torch.argsort(first)
+    sorted_to_u = torch.empty_like(order)
+    sorted_to_u[order] = torch.arange(order.numel())
+    return _Union(keys=uniq[order], entry_u=sorted_to_u[inverse],
+                  entry_first=flat == first[inverse], sorted_keys=uniq,
+                  sorted_to_u=sorted_to_u)
+
+
+def _lookup_union(union: _Union, values: torch.Tensor,
+                  use: torch.Tensor) -> torch.Tensor:
+    """Union index of each value found among the keys, else -1."""
+    n = union.sorted_keys.numel()
+    idx = torch.searchsorted(union.sorted_keys, values).clamp(max=n - 1)
+    found = use & (values >= 0) & (union.sorted_keys[idx] == values)
+    return torch.where(found, union.sorted_to_u[idx],
+                       torch.full_like(values, -1))
+
+
+def _hot_rows(hot_row: torch.Tensor, slots: torch.Tensor,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hot block, offset) of in-range slots."""
+    blocks = hot_row.to(torch.int64)[slots // block_size]
+    return blocks, slots % block_size
+
+
+def _resolve_group(g: UnionGroup, topk, seq_lens, src_bt, res_bt, hot_bt, dgi,
+                   lru, host_rows, block_size, attn_block_stride, out_rows,
+                   valid_counts, plan_src, plan_dst, plan_count, miss_mask,
+                   resolved_g, stats) -> None:
+    K = topk.shape[1]
+    H = dgi.shape[1]
+    rows = slice(g.row0, g.row0 + g.rows)
+    e = _classify(topk[rows], int(seq_lens[g.req]), src_bt[g.req],
+                  res_bt[g.req], host_rows, block_size, attn_block_stride)
+    out = e.out
+    resolved = torch.full_like(out, -1)
+    missed = torch.zeros_like(out)
+    if bool(e.pending.any()):
+        union = _build_union(e)
+        # Step 3: LRU classification in position order.
+        lru_row = lru[g.state].to(torch.int64)
+        dgi_row = dgi[g.state].to(torch.int64)
+        in_range = (lru_row >= 0) & (lru_row < H)
+        cached = torch.full_like(lru_row, -1)
+        cached[in_range] = dgi_row[lru_row[in_range]]
+        cand = _lookup_union(union, cached, in_range)
+        positions = torch.arange(H)
+        n_union = union.keys.numel()
+        hit_pos = torch.full((n_union,), H, dtype=torch.int64)
+        has = cand >= 0
+        hit_pos = hit_pos.scatter_reduce(0, cand[has], positions[has],
+                                         reduce="amin", include_self=True)
+        is_hit = has & (hit_pos[cand.clamp(min=0)] == positions)
+        hits = lru_row[is_hit]
+        evictable = lru_row[~is_hit]
+        slot_of_u = torch.full((n_union,), -1, dtype=torch.int64)
+        slot_of_u[cand[is_hit]] = hits
+        # Step 4: misses in U order take the oldest evictables.
+        misses = torch.nonzero(hit_pos == H).flatten()
+        n_miss = misses.numel()
+        victims = evictable[:n_miss]
+        ok = (victims >= 0) & (victims < H)
+        miss_keys = union.keys[misses]
+        dgi[g.state, victims[ok]] = miss_keys[ok].to(torch.int32)
+        slot_of_u[misses[ok]] = victims[ok]
+        dst = torch.full((n_miss,), -1, dtype=torch.int64)
+        blocks, offs = _hot_rows(hot_bt[g.req], victims[ok], block_size)
+        dst[ok] = blocks * block_size + offs
+        m = torch.arange(n_miss)
+        plan_src[g.row0 + m // K, m % K] = miss_keys.to(torch.int32)
+        plan_dst[g.row0 + m // K, m % K] = _to_int32(dst)
+        # Step 5: untouched evictables | refilled victims | hits.
+        lru[g.state] = torch.cat(
+            [evictable[n_miss:], victims, hits]).to(torch.int16)
+        # Step 6: emit the hot rows of pending entries.
+        pend = torch.nonzero(e.pending).flatten()
+        slots = slot_of_u[union.entry_u]
+        served = slots >= 0
+        blocks, offs = _hot_rows(hot_bt[g.req], slots[served], block_size)
+        out[pend[served]] = _attention_ids(blocks, offs, attn_block_stride)
+        resolved[pend[served]] = e.keys[pend[served]].to(torch.int32)
+        is_miss_u = torch.zeros(n_union, dtype=torch.bool)
+        is_miss_u[misses] = True
+        first_miss = served & union.entry_first & is_miss_u[union.entry_u]
+        missed[pend[first_miss]] = 1
+        if stats is not None:
+            _add_stats(stats, int(is_hit.sum()), n_miss, int((~ok).sum()))
+    else:
+        n_miss = 0
+    out_rows[rows] = out.view(g.rows, K)
+    valid_counts[rows] = (out.view(g.rows, K) >= 0).sum(1).to(torch.int32)
+    left = n_miss - torch.arange(g.rows) * K
+    plan_count[rows] = left.clamp(0, K).to(torch.int32)
+    if miss_mask is not None:
+        miss_mask[rows] = missed.view(g.rows, K)
+    if resolved_g is not None:
+        resolved_g[rows] = resolved.view(g.rows, K)
+
+
+def _add_stats(stats: torch.Tensor, hits: int, misses: int,
+               trips: int) -> None:
+    """uint64 counters: hits, misses, then optionally trips."""
+    counts = stats.view(torch.int64)
+    counts[0] += hits
+    counts[1] += misses
+    if counts.numel() >= 3:
+        counts[2] += trips
+
+
+def ref_resolve(topk: torch.Tensor, row_req: torch.Tensor,
+                seq_lens: torch.Tensor, req_state: torch.Tensor,
+                src_bt: torch.Tensor, res_bt: torch.Tensor,
+                hot_bt: torch.Tensor, dgi: torch.Tensor, lru: torch.Tensor,
+                host_rows: int, block_size: int, attn_block_stride: int,
+                max_query_len: int, out_rows: torch.Tensor,
+                valid_counts: torch.Tensor, plan_src: torch.Tensor,
+                plan_dst: torch.Tensor, plan_count: torch.Tensor,
+                miss_mask: torch.Tensor | None = None,
+                resolved_g: torch.Tensor | None = None,
+                stats: torch.Tensor | None = None) -> None:
+    """K1 resolve_residency on CPU tensors (same arguments as the op)."""
+    for g in union_groups(row_req, req_state, dgi.shape[0], max_query_len):
+        if g.req < 0 or g.rejected:
+            _write_padding(g, out_rows, valid_counts, plan_count, miss_mask,
+                           resolved_g)
+            if g.rejected and stats is not None and stats.numel() >= 4:
+                stats.view(torch.int64)[3] += g.rows
+            continue
+        _resolve_group(g, topk, seq_lens, src_bt, res_bt, hot_bt, dgi, lru,
+                       host_rows, block_size, attn_block_stride, out_rows,
+                       valid_counts, plan_src, plan_dst, plan_count,
+                       miss_mask, resolved_g, stats)
+
+
+def _move_rows(src: torch.Tensor, dst: torch.Tensor, g: torch.Tensor,
+               d: torch.Tensor) -> None:
+    """Copy src rows g to dst rows d with the spec 5.0 skip/zero-fill rules."""
+    rows_dst = dst.shape[0] * dst.shape[1]
+    keep = (g >= 0) & (d >= 0) & (d < rows_dst)
+    g, d = g[keep], d[keep]
+    if d.numel() == 0:
+        return
+    from_src = g < src.shape[0]
+    data = torch.zeros((d.numel(), dst.shape[2]), dtype=dst.dtype)
+    data[from_src] = src[g[from_src]]
+    # Advanced-index assignment writes through any block/row stride of the
+    # view. Destinations of one call are distinct in every valid plan.
+    block_rows = dst.shape[1]
+    dst[d // block_rows, d % block_rows] = data
+
+
+def ref_gather_compact(src: torch.Tensor, dst: torch.Tensor,
+                       plan_src: torch.Tensor, plan_dst: torch.Tensor,
+                       plan_count: torch.Tensor) -> None:
+    """K2: copy the first clamp(plan_count[i], 0, K) plan entries of row i."""
+    K = plan_src.shape[1]
+    counts = plan_count.to(torch.int64).clamp(0, K)
+    cols = torch.arange(K)
+    use = cols[None, :] < counts[:, None]
+    _move_rows(src, dst, plan_src[use].to(torch.int64),
+               plan_dst[use].to(torch.int64))
+
+
+def ref_gather_plan(src: torch.Tensor, dst: torch.Tensor,
+                    src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                    mask: torch.Tensor, req_state: torch.Tensor | None,
+                    out_rows: torch.Tensor | None,
+                    attn_block_stride: int) -> None:
+    """K3: per-entry copy where mask is set; optional hma row ids."""
+    rows = src_rows.shape[0]
+    live = torch.ones(rows, dtype=torch.bool)
+    if req_state is not None:
+        live = req_state[:rows] >= 0
+    d = dst_rows.to(torch.int64)
+    if out_rows is not None:
+        block_rows = dst.shape[1]
+        ids = _attention_ids(torch.div(d, block_rows, rounding_mode="floor"),
+                             d % block_rows, attn_block_stride)
+        ids = torch.where(d < 0, torch.full_like(ids, -1), ids)
+        out_rows.copy_(torch.where(live[:, None], ids,
+                                   torch.full_like(ids, -1)))
+    use = live[:, None] & (mask != 0)
+    _move_rows(src, dst, src_rows[use].to(torch.int64), d[use])
+
+
+def ref_invalidate(dgi: torch.Tensor, req_state: torch.Tensor,
+                   token_req: torch.Tensor, written_g: torch.Tensor) -> None:
+    """K4: clear dgi entries of each written token's slot equal to its row."""
+    num_states, num_reqs = dgi.shape[0], req_state.shape[0]
+    for r, g in zip(token_req.tolist(), written_g.tolist()):
+        if not 0 <= r < num_reqs:
+            continue
+        s = int(req_state[r])
+        if not 0 <= s < num_states or g < 0:
+            continue
+        row = dgi[s]
+        row[row.to(torch.int64) == g] = -1
+
+
+def ref_copy_descriptors(src_ptr: torch.Tensor, dst_ptr: torch.Tensor,
+                         nbytes: torch.Tensor) -> None:
+    """K5 on host addresses: memmove each (src, dst, nbytes) descriptor.
+
+    Descriptors with a non-positive size or a null pointer are skipped, as
+    in the kernel. Destinations must not overlap other descriptors.
+    """
+    for s, d, n in zip(src_ptr.tolist(), dst_ptr.tolist(), nbytes.tolist()):
+        if n > 0 and s != 0 and d != 0:
+            ctypes.memmove(d, s, n)

@@ -1,0 +1,627 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU tests of the kernel reference (spec 5.6, 8.1 R-1): hand-worked cases
+K-1..K-5, K-7, K-9, K-10, properties INV-33..INV-41, and a cross-check of the
+vectorised reference against a literal per-entry transcription of spec 5.1.
+
+Every test names the INV-n / K-n / T-n / F-n it checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hisparse_kernel_cases import (
+    POISON,
+    FuzzSpec,
+    ResolveCase,
+    ResolveFuzzer,
+    assert_same_case,
+    assert_same_tensor,
+    random_plan,
+    random_rows,
+    run_reference,
+)
+from vllm.v1.hisparse import reference
+
+I32 = torch.int32
+
+
+def t32(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=I32)
+
+
+def fresh_state(states: int, hot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.full((states, hot), -1, dtype=I32),
+            torch.arange(hot, dtype=torch.int16).repeat(states, 1))
+
+
+def one_request_case(topk_rows, *, hot=8, block=4, sa=6, q=1,
+                     src=(5, 6, 7, 8), res=(0, 0, 0, 0), hot_blocks=(10, 11),
+                     seq_len=16, host_rows=1000, dgi=None,
+                     lru=None) -> ResolveCase:
+    """Request 0 in state slot 0; one row per entry of ``topk_rows``."""
+    fresh_dgi, fresh_lru = fresh_state(1, hot)
+    return ResolveCase(
+        topk=t32(topk_rows), row_req=t32([0] * len(topk_rows)),
+        seq_lens=t32([seq_len]), req_state=t32([0]), src_bt=t32([list(src)]),
+        res_bt=t32([list(res)]), hot_bt=t32([list(hot_blocks)]),
+        dgi=fresh_dgi if dgi is None else dgi,
+        lru=fresh_lru if lru is None else lru,
+        host_rows=host_rows, block_size=block, attn_block_stride=sa,
+        max_query_len=q)
+
+
+def next_step(case: ResolveCase, topk_rows) -> ResolveCase:
+    """Same layout, new top-k, state carried over, outputs re-poisoned."""
+    return ResolveCase(**{**case.__dict__, "topk": t32(topk_rows),
+                          "row_req": t32([0] * len(topk_rows)),
+                          "dgi": case.dgi.clone(), "lru": case.lru.clone(),
+                          "out_rows": None})
+
+
+# ---------------------------------------------------------------------------
+# Hand-worked cases (B = 4, Sa = 6, H = 8, hot blocks 10 and 11)
+# topk [9, 2, 14, 5] -> pages 2,0,3,1 offsets 1,2,2,1 -> host rows
+# g = 7*4+1 = 29, 5*4+2 = 22, 8*4+2 = 34, 6*4+1 = 25.
+# ---------------------------------------------------------------------------
+
+def test_k1_cold_misses_take_slots_in_order():
+    """K-1, INV-36: every entry misses, miss i takes LRU slot i, outputs are
+    the hot rows in order, lru becomes [K..H-1, 0..K-1]."""
+    c = run_reference(one_request_case([[9, 2, 14, 5]]))
+    assert c.out_rows.tolist() == [[60, 61, 62, 63]]  # hma(10*4+s) = 60+s
+    assert c.plan_src.tolist() == [[29, 22, 34, 25]]
+    assert c.plan_dst.tolist() == [[40, 41, 42, 43]]  # 10*4 + s
+    assert c.plan_count.tolist() == [4]
+    assert c.valid_counts.tolist() == [4]
+    assert c.miss_mask.tolist() == [[1, 1, 1, 1]]
+    assert c.resolved_g.tolist() == [[29, 22, 34, 25]]
+    assert c.dgi.tolist() == [[29, 22, 34, 25, -1, -1, -1, -1]]
+    assert c.lru.tolist() == [[4, 5, 6, 7, 0, 1, 2, 3]]
+    assert c.stat_values == [0, 4, 0, 0]
+
+
+def test_k2_warm_replay_is_all_hits():
+    """K-2: replaying the same top-k hits every entry: no plan entries (plan
+    cells untouched), dgi and lru unchanged, hits counted per distinct row."""
+    cold = run_reference(one_request_case([[9, 2, 14, 5]]))
+    warm = run_reference(next_step(cold, [[9, 2, 14, 5]]))
+    assert warm.out_rows.tolist() == [[60, 61, 62, 63]]
+    assert warm.plan_count.tolist() == [0]
+    assert warm.plan_src.tolist() == [[POISON] * 4]
+    assert warm.miss_mask.tolist() == [[0, 0, 0, 0]]
+    assert torch.equal(warm.dgi, cold.dgi) and torch.equal(warm.lru, cold.lru)
+    assert warm.stat_values == [4, 0, 0, 0]
+
+
+def test_partial_hits_keep_exact_lru_order():
+    """INV-35/36: hits move to the MRU end in LRU-position order, misses take
+    the oldest evictables, untouched evictables keep their order.
+
+    After K-1: lru = [4,5,6,7,0,1,2,3], dgi[0..3] = 29,22,34,25.
+    topk [2, 3, 9, 13] -> g 22 (hit, slot 1), 23 (miss), 29 (hit, slot 0),
+    33 (miss). Hl = [0, 1] (positions 4, 5); E = [4,5,6,7,2,3]; misses take
+    slots 4 and 5; new lru = [6,7,2,3] + [4,5] + [0,1]."""
+    cold = run_reference(one_request_case([[9, 2, 14, 5]]))
+    c = run_reference(next_step(cold, [[2, 3, 9, 13]]))
+    assert c.lru.tolist() == [[6, 7, 2, 3, 4, 5, 0, 1]]
+    assert c.dgi.tolist() == [[29, 22, 34, 25, 23, 33, -1, -1]]
+    # slot 4 -> hot block 11 row 0: hma = 11*6 + 0 = 66; slot 5 -> 67.
+    assert c.out_rows.tolist() == [[61, 66, 60, 67]]
+    assert c.plan_src.tolist()[0][:2] == [23, 33]
+    assert c.plan_dst.tolist()[0][:2] == [44, 45]
+    assert c.plan_src.tolist()[0][2:] == [POISON] * 2
+    assert c.miss_mask.tolist() == [[0, 1, 0, 1]]
+    assert c.stat_values == [2, 2, 0, 0]
+
+
+def test_k3_padding_rows_leave_state_alone():
+    """K-3, INV-33, F13: rows with row_req -1, an out-of-range request or a
+    state slot of -1 produce -1 and zero counts and never touch the state of
+    the other request (slot 0) or their own."""
+    dgi, lru = fresh_state(2, 8)
+    c = ResolveCase(
+        topk=t32([[9, 2, 14, 5]] * 4), row_req=t32([-1, 1, 0, 7]),
+        seq_lens=t32([16, 16]), req_state=t32([0, -1]),
+        src_bt=t32([[5, 6, 7, 8], [1, 2, 3, 4]]), res_bt=t32([[0] * 4] * 2),
+        hot_bt=t32([[10, 11], [12, 13]]), dgi=dgi, lru=lru, host_rows=1000,
+        block_size=4, attn_block_stride=6, max_query_len=1)
+    run_reference(c)
+    alone = run_reference(one_request_case([[9, 2, 14, 5]]))
+    for r in (0, 1, 3):
+        assert c.out_rows[r].tolist() == [-1] * 4
+        assert c.miss_mask[r].tolist() == [0] * 4
+        assert c.resolved_g[r].tolist() == [-1] * 4
+        assert c.valid_counts[r] == 0 and c.plan_count[r] == 0
+        assert c.plan_src[r].tolist() == [POISON] * 4
+    assert c.out_rows[2].tolist() == alone.out_rows[0].tolist()
+    assert torch.equal(c.dgi[0], alone.dgi[0])
+    assert torch.equal(c.lru[0], alone.lru[0])
+    assert c.dgi[1].tolist() == [-1] * 8
+    assert c.lru[1].tolist() == list(range(8))
+
+
+def test_k4_corrupt_lru_slot_trips_and_is_not_written():
+    """K-4, INV-37: the first miss takes a victim slot 99 outside [0, H): the
+    entry resolves to -1, is not in the miss mask, its plan entry has dst -1,
+    no dgi cell is written for it, and the value is written back unchanged.
+    A corrupt slot that is not a victim (position 5) is never dereferenced."""
+    _, lru = fresh_state(1, 8)
+    lru[0, 0] = 99
+    lru[0, 5] = -300
+    c = run_reference(one_request_case([[9, 2, 14, 5]], lru=lru))
+    # E = [99, 1, 2, 3, 4, -300, 6, 7]; misses take 99 (trip), 1, 2, 3.
+    assert c.out_rows.tolist() == [[-1, 61, 62, 63]]
+    assert c.miss_mask.tolist() == [[0, 1, 1, 1]]
+    assert c.resolved_g.tolist() == [[-1, 22, 34, 25]]
+    assert c.plan_src.tolist() == [[29, 22, 34, 25]]
+    assert c.plan_dst.tolist() == [[-1, 41, 42, 43]]
+    assert c.valid_counts.tolist() == [3]
+    assert c.dgi.tolist() == [[-1, 22, 34, 25, -1, -1, -1, -1]]
+    assert c.lru.tolist() == [[4, -300, 6, 7, 99, 1, 2, 3]]
+    assert c.stat_values == [0, 4, 1, 0]
+
+
+def test_duplicated_key_in_dgi_earliest_position_hits():
+    """INV-37/38: corruption puts host row 22 in slots 3 and 6. The earliest
+    LRU position (slot 6 at position 2) is the hit; slot 3 is evictable and
+    is refilled by the first miss."""
+    dgi, lru = fresh_state(1, 8)
+    lru[0] = torch.tensor([0, 1, 6, 3, 4, 5, 2, 7], dtype=torch.int16)
+    dgi[0, 3] = 22
+    dgi[0, 6] = 22
+    c = run_reference(one_request_case([[2, 9]], dgi=dgi, lru=lru))
+    # U = [22 (hit slot 6), 29 (miss)]; E = [0,1,3,4,5,2,7]; miss -> slot 0.
+    assert c.out_rows.tolist() == [[11 * 6 + 2, 60]]
+    assert c.lru.tolist() == [[1, 3, 4, 5, 2, 7, 0, 6]]
+    assert c.dgi[0].tolist() == [29, -1, -1, 22, -1, -1, 22, -1]
+    assert c.stat_values == [1, 1, 0, 0]
+
+
+def test_k5_mtp_union_loads_each_row_once_and_never_clobbers():
+    """K-5, F3, INV-36: four verification rows of one request with
+    overlapping top-k are one union group; every distinct host row is loaded
+    once, no slot that any row hits is evicted (H = q*K is tight), and the
+    plan spills from the first row into the second (row0 + m//K, m%K)."""
+    q, K = 4, 3
+    H = q * K
+    cold = run_reference(one_request_case(
+        [[0, 1, 2]], hot=H, q=q, hot_blocks=(10, 11, 12)))
+    # cold: keys 20, 21, 22 in slots 0, 1, 2; lru = [3..11, 0, 1, 2].
+    rows = [[0, 4, 5], [4, 1, 8], [9, 0, 12], [13, 2, 4]]
+    c = run_reference(next_step(cold, rows))
+    # keys: 0->20 1->21 2->22 4->24 5->25 8->28 9->29 12->32 13->33
+    # U order: 20, 24, 25, 21, 28, 29, 32, 33, 22 -> hits 20, 21, 22.
+    # Misses take the oldest evictables, slots 3..8 (hot rows 43..48).
+    assert c.plan_count.tolist() == [3, 3, 0, 0]
+    assert c.plan_src[:2].tolist() == [[24, 25, 28], [29, 32, 33]]
+    assert c.plan_dst[:2].tolist() == [[43, 44, 45], [46, 47, 48]]
+    assert c.plan_src[2:].flatten().tolist() == [POISON] * 6
+    assert c.dgi[0].tolist() == [20, 21, 22, 24, 25, 28, 29, 32, 33,
+                                 -1, -1, -1]  # hit slots 0..2 survive
+    assert c.lru[0].tolist() == [9, 10, 11, 3, 4, 5, 6, 7, 8, 0, 1, 2]
+    assert c.miss_mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 0, 1],
+                                    [1, 0, 0]]  # first references only
+    # hma: slot s in hot block 10 + s//4 -> (10 + s//4)*6 + s%4.
+    assert c.out_rows.tolist() == [[60, 63, 66], [63, 61, 67],
+                                   [68, 60, 69], [72, 62, 63]]
+    assert c.valid_counts.tolist() == [3, 3, 3, 3]
+    assert c.stat_values == [3, 6, 0, 0]
+
+
+def test_k9_stale_positions_and_null_pages_never_load():
+    """K-9, F5, INV-34: positions >= seq_len, -1, pages past the tables,
+    null host pages and host rows >= host_rows resolve to -1, are never
+    planned, and a group with nothing pending leaves dgi/lru bit-identical
+    and writes no plan cell."""
+    dgi, lru = fresh_state(1, 8)
+    lru[0] = torch.tensor([3, 1, 2, 0, 7, 5, 6, 4], dtype=torch.int16)
+    dgi[0, 2] = 123
+    c = one_request_case(
+        [[-1, 17, 40, 4, 13]], src=(5, 0, 7, 300), seq_len=18,
+        host_rows=1000, dgi=dgi.clone(), lru=lru.clone())
+    # -1; 17 >= seq_len 18? no: page 4 >= Mh (width 4) -> invalid;
+    # 40 >= seq_len; 4 -> page 1 is a null host page; 13 -> page 3, host
+    # block 300 -> g = 1201 >= host_rows.
+    run_reference(c)
+    assert c.out_rows.tolist() == [[-1] * 5]
+    assert c.valid_counts.tolist() == [0] and c.plan_count.tolist() == [0]
+    assert c.plan_src.tolist() == [[POISON] * 5]
+    assert torch.equal(c.dgi, dgi) and torch.equal(c.lru, lru)
+    assert c.stat_values == [0, 0, 0, 0]
+
+
+def test_resident_pages_short_circuit():
+    """INV-34, 5.1 step 1: resident pages translate through the resident
+    table with Sa (hma = block*Sa + offset) and, with nothing pending, state
+    and plan cells stay untouched."""
+    dgi, lru = fresh_state(1, 8)
+    c = one_request_case([[9, 2, 14, 5]], res=(3, 0, 9, 4), src=(5, 6, 7, 8),
+                         dgi=dgi.clone(), lru=lru.clone())
+    run_reference(c)
+    # page 2 -> block 9: 9*6+1; page 0 -> block 3: 3*6+2; page 3 -> 4*6+2;
+    # page 1 is not resident -> host row 25 misses into slot 0 (hma 60).
+    assert c.out_rows.tolist() == [[55, 20, 26, 60]]
+    assert c.plan_count.tolist() == [1]
+    all_res = one_request_case([[9, 2, 14]], res=(3, 0, 9, 4),
+                               dgi=dgi.clone(), lru=lru.clone())
+    run_reference(all_res)
+    assert all_res.out_rows.tolist() == [[55, 20, 26]]
+    assert all_res.plan_count.tolist() == [0]
+    assert torch.equal(all_res.dgi, dgi) and torch.equal(all_res.lru, lru)
+
+
+def test_overlong_union_group_is_rejected_as_padding():
+    """INV-36 contract guard: more consecutive rows of one request than
+    max_query_len cannot be resolved without clobbering; the rows become
+    padding, state is untouched and stats[3] counts them."""
+    c = one_request_case([[1], [2], [3]], q=2, hot=8)
+    run_reference(c)
+    assert c.out_rows.tolist() == [[-1]] * 3
+    assert c.dgi.tolist() == [[-1] * 8]
+    assert c.stat_values == [0, 0, 0, 3]
+
+
+def test_attention_ids_are_64_bit_then_int32():
+    """INV-14: hma is computed in 64 bit; an id that does not fit a
+    non-negative int32 resolves to -1 instead of wrapping into a bogus row."""
+    big = 2**31 // 6  # block*6 just below 2^31
+    c = one_request_case([[9, 2]], res=(0, 0, big + 1, 0), src=(5, 6, 7, 8))
+    run_reference(c)
+    assert c.out_rows.tolist()[0][0] == -1  # (big+1)*6 + 1 > 2^31 - 1
+    c = one_request_case([[9]], res=(0, 0, big, 0))
+    run_reference(c)
+    assert c.out_rows.tolist() == [[big * 6 + 1]]
+
+
+# ---------------------------------------------------------------------------
+# Literal transcription of spec 5.1/5.6 (per-entry loops, dicts, lists)
+# ---------------------------------------------------------------------------
+
+def _wrap32(v: int) -> int:
+    return (v + 2**31) % 2**32 - 2**31
+
+
+def loop_resolve(c: ResolveCase) -> ResolveCase:
+    topk, row_req = c.topk.tolist(), c.row_req.tolist()
+    seq, state_of = c.seq_lens.tolist(), c.req_state.tolist()
+    src, res, hot = c.src_bt.tolist(), c.res_bt.tolist(), c.hot_bt.tolist()
+    dgi, lru = c.dgi.tolist(), c.lru.tolist()
+    R, K = c.topk.shape
+    S, H = c.dgi.shape
+    B, Sa, q = c.block_size, c.attn_block_stride, c.max_query_len
+    out = [[-1] * K for _ in range(R)]
+    miss = [[0] * K for _ in range(R)]
+    resolved = [[-1] * K for _ in range(R)]
+    plan_src, plan_dst = c.plan_src.tolist(), c.plan_dst.tolist()
+    count = [0] * R
+    stats = c.stats.view(torch.int64).tolist()
+
+    def hma(block: int, off: int) -> int:
+        v = _wrap32(block * Sa + off)
+        return v if v >= 0 else -1
+
+    row = 0
+    while row < R:
+        req = row_req[row]
+        if not 0 <= req < len(seq):
+            row += 1
+            continue
+        n = 1
+        while row + n < R and row_req[row + n] == req:
+            n += 1
+        st = state_of[req]
+        if not 0 <= st < S or n > q:
+            if 0 <= st < S:
+                stats[3] += n
+            row += n
+            continue
+        U, index, entries = [], {}, {}
+        for i in range(n):
+            for k in range(K):
+                p = topk[row + i][k]
+                if p < 0 or p >= seq[req]:
+                    continue
+                page, off = divmod(p, B)
+                rb = res[req][page] if page < len(res[req]) else 0
+                if rb > 0:
+                    out[row + i][k] = hma(rb, off)
+                    continue
+                sb = src[req][page] if page < len(src[req]) else 0
+                g = sb * B + off
+                if sb > 0 and g < c.host_rows:
+                    first = g not in index
+                    if first:
+                        index[g] = len(U)
+                        U.append(g)
+                    entries[(i, k)] = (index[g], first)
+        if U:
+            hits, evict, slot_of = [], [], {}
+            for pos in range(H):
+                s = lru[st][pos]
+                if not 0 <= s < H:
+                    evict.append(s)
+                    continue
+                u = index.get(dgi[st][s]) if dgi[st][s] >= 0 else None
+                if u is not None and u not in slot_of:
+                    slot_of[u] = s
+                    hits.append(s)
+                else:
+                    evict.append(s)
+            M = [u for u in range(len(U)) if u not in slot_of]
+            for m, u in enumerate(M):
+                v = evict[m]
+                plan_src[row + m // K][m % K] = U[u]
+                if 0 <= v < H:
+                    dgi[st][v] = U[u]
+                    slot_of[u] = v
+                    plan_dst[row + m // K][m % K] = _wrap32(
+                        hot[req][v // B] * B + v % B)
+                else:
+                    plan_dst[row + m // K][m % K] = -1
+                    stats[2] += 1
+            lru[st] = evict[len(M):] + evict[:len(M)] + hits
+            missed = set(M)
+            for (i, k), (u, first) in entries.items():
+                if u in slot_of:
+                    v = slot_of[u]
+                    out[row + i][k] = hma(hot[req][v // B], v % B)
+                    resolved[row + i][k] = U[u]
+                    miss[row + i][k] = int(first and u in missed)
+            stats[0] += len(hits)
+            stats[1] += len(M)
+            for i in range(n):
+                count[row + i] = max(0, min(K, len(M) - i * K))
+        row += n
+    c.out_rows.copy_(t32(out))
+    c.miss_mask.copy_(t32(miss))
+    c.resolved_g.copy_(t32(resolved))
+    c.plan_src.copy_(t32(plan_src))
+    c.plan_dst.copy_(t32(plan_dst))
+    c.plan_count.copy_(t32(count))
+    c.valid_counts.copy_((c.out_rows >= 0).sum(1).to(I32))
+    c.dgi.copy_(t32(dgi))
+    c.lru.copy_(torch.tensor(lru, dtype=torch.int16))
+    c.stats.view(torch.int64).copy_(torch.tensor(stats))
+    return c
+
+
+LOOP_SPECS = [
+    FuzzSpec(top_k=1, hot_size=1, block_size=4),
+    FuzzSpec(top_k=3, hot_size=3, block_size=2, max_query_len=1),
+    FuzzSpec(top_k=5, hot_size=20, block_size=4, max_query_len=4),
+    FuzzSpec(top_k=8, hot_size=33, block_size=8, max_query_len=3,
+             corrupt=True),
+    FuzzSpec(top_k=33, hot_size=66, block_size=16, max_query_len=2,
+             num_reqs=5),
+    FuzzSpec(top_k=16, hot_size=64, block_size=4, max_query_len=4,
+             groups_full=True, corrupt=True, attn_block_stride=4),
+]
+
+
+@pytest.mark.parametrize("spec", LOOP_SPECS,
+                         ids=lambda s: f"K{s.top_k}-H{s.hot_size}-q"
+                         f"{s.max_query_len}{'-corrupt' if s.corrupt else ''}")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_equals_literal_spec_loop(spec, seed):
+    """T2 oracle check, INV-35..38: the vectorised reference equals a literal
+    per-entry transcription of spec 5.1 over several warm steps with
+    padding, -1/stale positions, null pages, MTP unions and corruption."""
+    fuzz = ResolveFuzzer(FuzzSpec(**{**spec.__dict__, "seed": seed}))
+    for step in range(4):
+        case = fuzz.step(overlap=0.6)
+        want = loop_resolve(case.to("cpu"))
+        got = run_reference(case.to("cpu"))
+        assert_same_case(got, want, label=f"step {step}: ")
+        fuzz.adopt_state(got)
+
+
+# ---------------------------------------------------------------------------
+# Properties
+# ---------------------------------------------------------------------------
+
+def _group_rows(row_req: list[int], q: int):
+    row = 0
+    while row < len(row_req):
+        n = 1
+        while row + n < len(row_req) and row_req[row + n] == row_req[row]:
+            n += 1
+        yield row, n
+        row += n
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_lru_permutation_and_victim_rules(q):
+    """INV-35: every lru row stays a permutation. INV-36: miss m of a group
+    takes the m-th oldest slot that is not a hit, each distinct host row is
+    loaded once, and no other slot (in particular no hit slot) changes."""
+    H = 12 * (q + 1)
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=12, hot_size=H, block_size=4,
+                                  max_query_len=q, num_reqs=6, num_states=8,
+                                  seed=7))
+    for _ in range(8):
+        case = fuzz.step(overlap=0.5)
+        pre_dgi, pre_lru = case.dgi.clone(), case.lru.clone()
+        run_reference(case)
+        for s in range(case.lru.shape[0]):
+            assert sorted(case.lru[s].tolist()) == list(range(H))
+        for row0, n in _group_rows(case.row_req.tolist(), q):
+            req = int(case.row_req[row0])
+            if not 0 <= req < case.seq_lens.numel():
+                continue
+            st = int(case.req_state[req])
+            if st < 0:
+                continue
+            planned = int(case.plan_count[row0:row0 + n].sum())
+            keys = case.plan_src[row0:row0 + n].flatten()[:planned].tolist()
+            assert len(set(keys)) == len(keys)
+            served = set(case.resolved_g[row0:row0 + n].flatten().tolist())
+            served.discard(-1)
+            hit_slots = {s for s in range(H) if int(pre_dgi[st, s]) in served}
+            oldest = [s for s in pre_lru[st].tolist() if s not in hit_slots]
+            victims = oldest[:planned]
+            assert case.dgi[st, victims].tolist() == keys
+            others = [s for s in range(H) if s not in victims]
+            assert torch.equal(case.dgi[st, others], pre_dgi[st, others])
+        fuzz.adopt_state(case)
+
+
+# ---------------------------------------------------------------------------
+# K4 invalidate_written_slots
+# ---------------------------------------------------------------------------
+
+def test_k10_invalidate_written_slots():
+    """K-10, INV-41: after the call no dgi entry of a written request's slot
+    equals a host row written in the forward; other slots, other rows and
+    tokens with no request, no state or no host row change nothing."""
+    dgi = t32([[5, 6, 7, 5], [5, 6, 8, 9], [1, 2, 3, 4]])
+    req_state = t32([1, -1, 0])
+    token_req = t32([2, 2, 1, 0, -1, 9, 0])
+    written = torch.tensor([5, 9, 1, 8, 2, 3, -1], dtype=torch.int64)
+    reference.ref_invalidate(dgi, req_state, token_req, written)
+    assert dgi.tolist() == [[-1, 6, 7, -1], [5, 6, -1, 9], [1, 2, 3, 4]]
+    reference.ref_invalidate(dgi, req_state, token_req[:0], written[:0])
+    assert dgi.tolist() == [[-1, 6, 7, -1], [5, 6, -1, 9], [1, 2, 3, 4]]
+
+
+# ---------------------------------------------------------------------------
+# K2/K3 gathers
+# ---------------------------------------------------------------------------
+
+def _strided_dst(blocks: int, block: int, width: int, pad: int = 3):
+    """[blocks, block, W] view with a block stride larger than block*W."""
+    base = torch.full((blocks, block * width + pad * 16), 0xAB,
+                      dtype=torch.uint8)
+    return base, base[:, :block * width].view(blocks, block, width)
+
+
+def test_k7_gather_compact_copies_zero_fills_and_skips():
+    """K-7, INV-39: exactly clamp(count, 0, K) entries per row are copied;
+    g >= source rows zero-fills, negative ids and destinations past N*B are
+    skipped; nothing else in the slab changes (strided view)."""
+    src = random_rows(10, 32, torch.Generator().manual_seed(0))
+    base, dst = _strided_dst(3, 4, 32)
+    before = base.clone()
+    plan_src = t32([[1, 12, -1, 4], [7, 2, 3, 0]])
+    plan_dst = t32([[0, 5, 6, 11], [3, 12, -2, 9]])
+    plan_count = t32([9, 2])
+    reference.ref_gather_compact(src, dst, plan_src, plan_dst, plan_count)
+    rows = dst.reshape(12, 32)
+    assert torch.equal(rows[0], src[1])
+    assert torch.equal(rows[5], torch.zeros(32, dtype=torch.uint8))
+    assert torch.equal(rows[11], src[4])
+    assert torch.equal(rows[3], src[7])
+    changed = (base != before).any(1)
+    touched = {0, 5, 11, 3}
+    for r in range(12):
+        if r not in touched:
+            assert torch.equal(rows[r], before[:, :128].reshape(12, 32)[r])
+    assert changed.tolist() == [True, True, True]
+    assert torch.equal(base[:, 128:], before[:, 128:])  # padding untouched
+
+
+def test_gather_plan_out_rows_padding_and_mask():
+    """K-7, spec 5.3: padding rows write -1 and copy nothing; out_rows is
+    hma(d) for d >= 0 whatever the mask; only masked entries copy."""
+    src = random_rows(6, 16, torch.Generator().manual_seed(1))
+    base, dst = _strided_dst(2, 4, 16, pad=0)
+    before = base.clone()
+    src_rows = t32([[0, 1, 2], [3, 4, 9]])
+    dst_rows = t32([[0, 5, -1], [6, 7, 2]])
+    mask = t32([[1, 0, 1], [1, 1, 1]])
+    out = torch.full((2, 3), POISON, dtype=I32)
+    reference.ref_gather_plan(src, dst, src_rows, dst_rows, mask,
+                              t32([0, -1]), out, 10)
+    assert out.tolist() == [[0, 11, -1], [-1, -1, -1]]
+    assert torch.equal(dst.reshape(8, 16)[0], src[0])
+    assert torch.equal(base.reshape(8, 16)[1:], before.reshape(8, 16)[1:])
+    reference.ref_gather_plan(src, dst, src_rows, dst_rows, mask, None, out,
+                              10)
+    assert out.tolist() == [[0, 11, -1], [12, 13, 2]]
+    assert torch.equal(dst.reshape(8, 16)[6], src[3])
+    assert torch.equal(dst.reshape(8, 16)[2], torch.zeros(16,
+                                                          dtype=torch.uint8))
+
+
+def test_count_clamp_and_random_plans_match_rowwise_copy():
+    """INV-39: over random plans (negative, 0, mid, K and > K counts,
+    negative and overflowing ids) the reference equals a row-by-row copy."""
+    gen = torch.Generator().manual_seed(3)
+    src = random_rows(50, 48, gen)
+    for _ in range(5):
+        ps, pd, pc = random_plan(6, 7, 50, 60, gen)
+        _, dst = _strided_dst(15, 4, 48)
+        want = dst.clone()
+        for i in range(6):
+            for j in range(max(0, min(int(pc[i]), 7))):
+                g, d = int(ps[i, j]), int(pd[i, j])
+                if g < 0 or d < 0 or d >= 60:
+                    continue
+                want[d // 4, d % 4] = src[g] if g < 50 else 0
+        reference.ref_gather_compact(src, dst, ps, pd, pc)
+        assert_same_tensor("dst", dst, want)
+
+
+@pytest.mark.parametrize("q", [1, 2])
+def test_inv40_gather_plan_equals_gather_compact(q):
+    """INV-40: gather_plan over K1's per-entry outputs (src = resolved_g,
+    dst = physical row from out_rows, mask = miss_mask) writes the same bytes
+    as gather_compact over K1's plan."""
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=24, hot_size=24 * (q + 1),
+                                  block_size=8, max_query_len=q, seed=11,
+                                  corrupt=True))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        case = run_reference(fuzz.step(overlap=0.5))
+        fuzz.adopt_state(case)
+        blocks = int(case.hot_bt.max()) + int(case.res_bt.max()) + 2
+        src = random_rows(case.host_rows + 3, 32, gen)
+        _, a = _strided_dst(blocks, case.block_size, 32)
+        b = a.clone()
+        reference.ref_gather_compact(src, a, case.plan_src, case.plan_dst,
+                                     case.plan_count)
+        x = case.out_rows.to(torch.int64)
+        sa, bs = case.attn_block_stride, case.block_size
+        phys = torch.where(x >= 0, x // sa * bs + x % sa, -1).to(I32)
+        reference.ref_gather_plan(src, b, case.resolved_g, phys,
+                                  case.miss_mask, None, None, sa)
+        assert_same_tensor("hot view", b, a)
+
+
+# ---------------------------------------------------------------------------
+# K5 copy_descriptors
+# ---------------------------------------------------------------------------
+
+def test_copy_descriptors_reference_moves_bytes():
+    """INV-42 (reference side): each descriptor moves exactly nbytes from
+    src to dst; non-positive sizes and null pointers are skipped."""
+    src = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    dst = torch.zeros(256, dtype=torch.uint8)
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    reference.ref_copy_descriptors(
+        torch.tensor([s0 + 3, s0 + 100, s0, 0], dtype=torch.int64),
+        torch.tensor([d0 + 10, d0 + 200, d0 + 50, d0], dtype=torch.int64),
+        torch.tensor([7, 40, 0, 5], dtype=torch.int64))
+    want = torch.zeros(256, dtype=torch.uint8)
+    want[10:17] = src[3:10]
+    want[200:240] = src[100:140]
+    assert torch.equal(dst, want)
+
+
+def test_union_groups_split_runs_and_padding():
+    """Spec 5.1 union groups: maximal runs of one request; -1, out-of-range
+    requests and -1 state slots are padding; runs longer than q rejected."""
+    groups = list(reference.union_groups(t32([-1, 0, 0, 1, 1, 1, 0, 5, 2]),
+                                         t32([3, 4, -1]), 8, 2))
+    assert [(g.row0, g.rows, g.req, g.state, g.rejected) for g in groups] == [
+        (0, 1, -1, -1, False), (1, 2, 0, 3, False), (3, 3, 1, 4, True),
+        (6, 1, 0, 3, False), (7, 1, -1, -1, False), (8, 1, -1, -1, False)]
+
+
+def test_fuzzer_is_seeded():
+    """The GPU fuzz relies on identical inputs for identical seeds."""
+    a = ResolveFuzzer(FuzzSpec(top_k=9, hot_size=18, seed=4)).step()
+    b = ResolveFuzzer(FuzzSpec(top_k=9, hot_size=18, seed=4)).step()
+    assert torch.equal(a.topk, b.topk) and torch.equal(a.src_bt, b.src_bt)
+    c = ResolveFuzzer(FuzzSpec(top_k=9, hot_size=18, seed=5)).step()
+    assert not torch.equal(a.topk, c.topk)

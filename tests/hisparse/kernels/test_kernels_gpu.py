@@ -1,0 +1,458 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""GPU tests (spec 8.2, target T2): every kernel output, the final dgi/lru
+and the counters equal the CPU reference bit for bit on fuzzed inputs.
+
+They skip cleanly without CUDA or without the built extension (conftest's
+``gpu_kernels`` fixture). ``HISPARSE_K14_STEPS`` raises the multi-step fuzz
+(default 300 steps; the spec's full run is 10,000)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hisparse_kernel_cases import (
+    FuzzSpec,
+    ResolveCase,
+    ResolveFuzzer,
+    assert_same_case,
+    assert_same_tensor,
+    random_plan,
+    random_rows,
+    run_reference,
+)
+from vllm.v1.hisparse import reference
+
+CUDA = "cuda"
+I32 = torch.int32
+TOPKS = [1, 31, 32, 33, 63, 64, 65, 128, 2048]
+
+
+def resolve_and_compare(kernels, fuzz: ResolveFuzzer, steps: int,
+                        overlap: float = 0.7, label: str = "") -> None:
+    """Each step: same inputs and state to both sides; compare everything;
+    continue from the (identical) resulting state."""
+    for step in range(steps):
+        case = fuzz.step(overlap)
+        want = run_reference(case.to("cpu"))
+        got = case.to(CUDA)
+        kernels.resolve_residency(*got.args())
+        assert_same_case(got, want, label=f"{label}step {step}: ")
+        fuzz.adopt_state(want)
+
+
+def hot_layout(top_k: int, mult: int) -> tuple[int, int]:
+    """(H, q) for H = mult x top_k: 1x is the tight q = 1 case, 2x a tight
+    two-row union, 5x the MTP3 default ((q + 1) x K with q = 4)."""
+    return mult * top_k, {1: 1, 2: 2, 5: 4}[mult]
+
+
+@pytest.mark.parametrize("mult", [1, 2, 5])
+@pytest.mark.parametrize("top_k", TOPKS)
+def test_resolve_fuzz_matches_reference(gpu_kernels, top_k, mult):
+    """T2, K-1..K-5, K-9, INV-33..38: fuzzed batches with padding rows, -1
+    and stale positions, null pages, resident pages, duplicated positions
+    and (for H > K) MTP union groups, over warm steps."""
+    hot, q = hot_layout(top_k, mult)
+    block = 64 if top_k >= 128 else 16
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=top_k, hot_size=hot,
+                                  block_size=block, max_query_len=q,
+                                  num_reqs=5, num_states=7, seed=top_k + mult,
+                                  attn_block_stride=block * (mult + 1)))
+    resolve_and_compare(gpu_kernels, fuzz, steps=4)
+
+
+@pytest.mark.parametrize("top_k", [1, 33, 64, 2048])
+def test_resolve_corrupted_state(gpu_kernels, top_k):
+    """K-4, INV-37: out-of-range LRU slots and garbage or duplicated dgi
+    keys resolve exactly as the reference (tripwires), with no fault."""
+    hot, q = hot_layout(top_k, 2)
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=top_k, hot_size=hot, block_size=16,
+                                  max_query_len=q, corrupt=True,
+                                  seed=100 + top_k))
+    resolve_and_compare(gpu_kernels, fuzz, steps=4, overlap=0.8)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("hot", [4096, 10240])
+@pytest.mark.parametrize("batch", [1, 5, 17, 64, 256])
+def test_k6_production_shapes_and_row_independence(gpu_kernels, batch, hot):
+    """K-6: K = 2048, H = 2K and 5K (q = 4 unions), batches 1..256 equal the
+    reference; a request's rows resolved alone give the same rows and
+    state as in the batch (rows are independent)."""
+    q = 1 if hot == 4096 else 4
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=2048, hot_size=hot, block_size=64,
+                                  max_query_len=q, num_reqs=batch,
+                                  num_states=batch + 3, groups_full=True,
+                                  padding_rows=2, padding_reqs=0,
+                                  resident_frac=0.1, seed=batch))
+    resolve_and_compare(gpu_kernels, fuzz, steps=1)
+    batch_case = fuzz.step(0.7)
+    full = batch_case.to(CUDA)
+    gpu_kernels.resolve_residency(*full.args())
+    rows = batch_case.row_req.tolist()
+    for req in random.Random(batch).sample(range(batch), min(3, batch)):
+        sel = [i for i, r in enumerate(rows) if r == req]
+        alone = ResolveCase(**{**batch_case.__dict__,
+                               "topk": batch_case.topk[sel],
+                               "row_req": batch_case.row_req[sel],
+                               "out_rows": None}).to(CUDA)
+        gpu_kernels.resolve_residency(*alone.args())
+        st = int(batch_case.req_state[req])
+        for name in ("out_rows", "valid_counts", "plan_src", "plan_dst",
+                     "plan_count", "miss_mask", "resolved_g"):
+            assert_same_tensor(name, getattr(alone, name),
+                               getattr(full, name)[sel], f"req {req}: ")
+        assert_same_tensor("dgi", alone.dgi[st], full.dgi[st])
+        assert_same_tensor("lru", alone.lru[st], full.lru[st])
+
+
+def test_resolve_is_deterministic(gpu_kernels):
+    """INV-38: identical inputs and state give bit-identical results."""
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=2048, hot_size=10240, block_size=64,
+                                  max_query_len=4, num_reqs=12, num_states=16,
+                                  groups_full=True, corrupt=True, seed=9))
+    case = fuzz.step()
+    a, b = case.to(CUDA), case.to(CUDA)
+    gpu_kernels.resolve_residency(*a.args())
+    gpu_kernels.resolve_residency(*b.args())
+    assert_same_case(a, b)
+
+
+def test_k14_multistep_fuzz(gpu_kernels):
+    """K-14: a long random multi-step fuzz (mixed resident tables, MTP
+    groups, occasional corruption) stays bit-identical to the reference."""
+    steps = int(os.environ.get("HISPARSE_K14_STEPS", "300"))
+    rng = random.Random(14)
+    done = 0
+    while done < steps:
+        top_k = rng.choice([1, 7, 32, 33, 100])
+        q = rng.choice([1, 2, 4])
+        fuzz = ResolveFuzzer(FuzzSpec(
+            top_k=top_k, hot_size=top_k * q + rng.randint(0, 2 * top_k),
+            block_size=rng.choice([1, 4, 16, 64]), max_query_len=q,
+            num_reqs=rng.randint(1, 6), resident_frac=rng.random() * 0.6,
+            corrupt=rng.random() < 0.2, seed=rng.randrange(10**6)))
+        chunk = min(25, steps - done)
+        resolve_and_compare(gpu_kernels, fuzz, steps=chunk,
+                            overlap=rng.random(), label=f"after {done}: ")
+        done += chunk
+
+
+def test_k13_smem_preflight_equals_launcher(gpu_kernels):
+    """K-13: the extension's layout and the preflight formula agree."""
+    op = torch.ops.hisparse_ops.resolver_smem_bytes
+    for top_k in (1, 31, 2048):
+        for q in (1, 2, 4):
+            for extra in (0, 5, top_k):
+                hot = q * top_k + extra
+                assert op(top_k, q, hot) == gpu_kernels.resolver_smem_bytes(
+                    top_k, q, hot)
+
+
+def test_oversized_resolver_fails_before_launch(gpu_kernels):
+    """6.3 item 11: a layout over the device's shared memory is refused by
+    the launcher with the spec message."""
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=4096, hot_size=32768, block_size=64,
+                                  max_query_len=8, num_reqs=1, seed=1))
+    case = fuzz.step().to(CUDA)
+    with pytest.raises(ValueError, match="HiSparse resolver needs .* B of "
+                       "shared memory per block"):
+        gpu_kernels.resolve_residency(*case.args())
+
+
+def test_extension_checks_arguments_itself(gpu_kernels):
+    """Defence in depth: the C++ op names a bad argument even when called
+    without the Python launcher."""
+    case = ResolveFuzzer(FuzzSpec(top_k=8, hot_size=16, seed=2)).step()
+    case = case.to(CUDA)
+    case.lru = case.lru.to(I32)
+    with pytest.raises(RuntimeError, match="lru must be int16"):
+        torch.ops.hisparse_ops.resolve_residency(*case.args())
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs (K-12, INV-32)
+# ---------------------------------------------------------------------------
+
+def test_k12_graph_capture_and_replay(gpu_kernels):
+    """K-12, INV-32: resolve + leader gather + follower replay captured once
+    and replayed over new top-k (copied into the static input) give the same
+    bytes, rows, plan, state and counters as eager launches."""
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=2048, hot_size=10240, block_size=64,
+                                  max_query_len=4, num_reqs=6,
+                                  groups_full=True, seed=12))
+    steps = [fuzz.step(0.7) for _ in range(4)]
+    W = 656
+    blocks = int(max(s.hot_bt.max() for s in steps[:1])) + 8
+    host = random_rows(steps[0].host_rows, W,
+                       torch.Generator().manual_seed(12)).pin_memory()
+    leader = torch.zeros(blocks, 64, W, dtype=torch.uint8, device=CUDA)
+    follower = torch.zeros_like(leader)
+    host_f = (host.to(torch.int32) ^ 0x5A).to(torch.uint8).pin_memory()
+
+    def launch(case, lead, foll):
+        gpu_kernels.resolve_residency(*case.args())
+        gpu_kernels.gather_compact(host, lead, case.plan_src, case.plan_dst,
+                                   case.plan_count)
+        gpu_kernels.gather_compact(host_f, foll, case.plan_src,
+                                   case.plan_dst, case.plan_count)
+
+    eager = steps[0].to(CUDA)
+    e_lead, e_foll = leader.clone(), follower.clone()
+    static = steps[0].to(CUDA)
+    s_lead, s_foll = leader.clone(), follower.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside capture
+        launch(static, s_lead, s_foll)
+    torch.cuda.current_stream().wait_stream(stream)
+    launch(eager, e_lead, e_foll)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(static, s_lead, s_foll)
+    for i, case in enumerate(steps[1:]):
+        static.topk.copy_(case.topk.to(CUDA))
+        eager.topk.copy_(case.topk.to(CUDA))
+        graph.replay()
+        launch(eager, e_lead, e_foll)
+        torch.cuda.synchronize()
+        assert_same_case(static, eager, label=f"replay {i}: ")
+        assert_same_tensor("leader bytes", s_lead, e_lead)
+        assert_same_tensor("follower bytes", s_foll, e_foll)
+    assert static.stat_values[1] > 0 and static.stat_values[0] > 0
+
+
+# ---------------------------------------------------------------------------
+# K2/K3 gathers (K-7, K-8, INV-39, INV-40)
+# ---------------------------------------------------------------------------
+
+def strided_slab(blocks: int, block: int, width: int, device, pad: int = 48,
+                 shift: int = 0):
+    """(backing, view): [blocks, block, W] with block stride > block*W and
+    the view starting ``shift`` bytes into the backing (alignment tests)."""
+    stride = block * width + pad
+    backing = torch.randint(0, 256, (blocks * stride + shift + 64,),
+                            dtype=torch.uint8, device=device)
+    view = backing[shift:shift + blocks * stride].view(blocks, stride)
+    return backing, view[:, :block * width].view(blocks, block, width)
+
+
+@pytest.mark.parametrize("width, shift", [(656, 0), (16, 0), (1152, 0),
+                                          (656, 4), (656, 1)])
+@pytest.mark.parametrize("src_kind", ["pinned", "device", "registered"])
+def test_k7_gather_compact_matches_reference(gpu_kernels, width, shift,
+                                             src_kind):
+    """K-7, INV-39: byte-exact copies, zero-fill for g >= source rows, skips
+    for negative ids and destinations past N*B, count clamp (negative, 0,
+    mid, K, > K); 16/4/1-byte paths (dst shifted by 0/4/1 bytes); sources in
+    pinned, cudaHostRegister-ed or device memory."""
+    gen = torch.Generator().manual_seed(width + shift)
+    src_rows, rows, top_k = 300, 6, 40
+    host = random_rows(src_rows, width, gen)
+    keep_alive = None
+    if src_kind == "pinned":
+        src = host.pin_memory()
+    elif src_kind == "device":
+        src = host.to(CUDA)
+    else:
+        src = host.clone()
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostRegister(src.data_ptr(), src.numel(), 2)  # Mapped
+        assert int(err) == 0, f"cudaHostRegister failed: {err}"
+        keep_alive = src
+    try:
+        backing, dst = strided_slab(10, 32, width, CUDA, shift=shift)
+        ps, pd, pc = random_plan(rows, top_k, src_rows, 320, gen)
+        want_backing = backing.cpu()
+        want = want_backing[shift:shift + dst.shape[0] * (32 * width + 48)]
+        want = want.view(10, -1)[:, :32 * width].view(10, 32, width)
+        reference.ref_gather_compact(host, want, ps, pd, pc)
+        gpu_kernels.gather_compact(src, dst, ps.to(CUDA), pd.to(CUDA),
+                                   pc.to(CUDA))
+        torch.cuda.synchronize()
+        assert_same_tensor("slab", backing, want_backing)
+    finally:
+        if keep_alive is not None:
+            torch.cuda.cudart().cudaHostUnregister(keep_alive.data_ptr())
+
+
+def test_gather_rejects_unpinned_host_source(gpu_kernels):
+    """5.0: a host view must be pinned and device-mapped (CUDA pointer
+    attributes), or the launch fails with a message naming it."""
+    dst = torch.zeros(2, 4, 16, dtype=torch.uint8, device=CUDA)
+    plan = torch.zeros(1, 1, dtype=I32, device=CUDA)
+    with pytest.raises(RuntimeError, match="src is a CPU tensor that is not "
+                       "pinned"):
+        gpu_kernels.gather_compact(torch.zeros(4, 16, dtype=torch.uint8),
+                                   dst, plan, plan,
+                                   torch.ones(1, dtype=I32, device=CUDA))
+
+
+@pytest.mark.parametrize("use_state, use_out", [(True, True), (False, True),
+                                                (True, False)])
+def test_gather_plan_matches_reference(gpu_kernels, use_state, use_out):
+    """K-7, spec 5.3: per-entry copies where mask is set, padding rows,
+    out_rows = hma(d) or -1, zero-fill and skip rules, strided dst."""
+    gen = torch.Generator().manual_seed(31)
+    width, rows, cols, src_rows = 656, 9, 70, 500
+    host = random_rows(src_rows, width, gen)
+    backing, dst = strided_slab(24, 32, width, CUDA)
+    sr, dr, _ = random_plan(rows, cols, src_rows, 24 * 32, gen)
+    mask = (torch.rand(rows, cols, generator=gen) < 0.7).to(I32)
+    state = torch.tensor([0, -1, 3, 2, -1, 0, 1, 1, 7], dtype=I32)
+    out = torch.full((rows, cols), -9, dtype=I32)
+    want_backing = backing.cpu()
+    want = want_backing[:24 * (32 * width + 48)].view(24, -1)[:, :32 * width]
+    want = want.view(24, 32, width)
+    reference.ref_gather_plan(host, want, sr, dr, mask,
+                              state if use_state else None,
+                              out if use_out else None, 50)
+    got_out = torch.full((rows, cols), -9, dtype=I32, device=CUDA)
+    gpu_kernels.gather_plan(host.pin_memory(), dst, sr.to(CUDA), dr.to(CUDA),
+                            mask.to(CUDA),
+                            state.to(CUDA) if use_state else None,
+                            got_out if use_out else None, 50)
+    torch.cuda.synchronize()
+    assert_same_tensor("slab", backing, want_backing)
+    assert_same_tensor("out_rows", got_out, out)
+
+
+@pytest.mark.parametrize("q", [1, 4])
+def test_inv40_gather_plan_equals_gather_compact(gpu_kernels, q):
+    """INV-40 on the GPU: K3 over K1's per-entry outputs writes the same
+    bytes as K2 over K1's plan (leader resolve of a fuzzed batch)."""
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=2048, hot_size=2048 * (q + 1),
+                                  block_size=64, max_query_len=q,
+                                  num_reqs=8, corrupt=True, seed=40 + q))
+    case = fuzz.step()
+    gpu = case.to(CUDA)
+    gpu_kernels.resolve_residency(*gpu.args())
+    W = 656
+    host = random_rows(case.host_rows, W,
+                       torch.Generator().manual_seed(q)).pin_memory()
+    blocks = int(case.hot_bt.max()) + 2
+    a = torch.zeros(blocks, 64, W, dtype=torch.uint8, device=CUDA)
+    b = a.clone()
+    gpu_kernels.gather_compact(host, a, gpu.plan_src, gpu.plan_dst,
+                               gpu.plan_count)
+    x = gpu.out_rows.to(torch.int64)
+    sa = case.attn_block_stride
+    phys = torch.where(x >= 0, x // sa * 64 + x % sa, -1).to(I32)
+    gpu_kernels.gather_plan(host, b, gpu.resolved_g, phys, gpu.miss_mask,
+                            None, None, sa)
+    torch.cuda.synchronize()
+    assert int(gpu.plan_count.sum()) > 0
+    assert_same_tensor("hot view", b, a)
+
+
+def test_k8_64bit_byte_offsets(gpu_kernels):
+    """K-8, F4, INV-14: source and destination byte offsets past 2^31 (and
+    past 2^32) land on the right rows; the 32-bit-wrapped locations stay
+    untouched."""
+    W, B = 656, 64
+    stride = 1 << 20  # 1 MiB per block: block 4100 starts past 2^32
+    blocks = 4104
+    slab = torch.zeros(blocks * stride, dtype=torch.uint8, device=CUDA)
+    dst = slab.view(blocks, stride)[:, :B * W].view(blocks, B, W)
+    src_rows = (1 << 32) // W + 64  # rows past 2^32 bytes of source
+    src = torch.empty(src_rows * W, dtype=torch.uint8, device=CUDA)
+    src.fill_(0)
+    far_src = torch.tensor([src_rows - 1, src_rows - 7, (1 << 31) // W + 5],
+                           dtype=torch.int64)
+    patterns = torch.randint(1, 256, (3, W), dtype=torch.uint8)
+    src_view = src.view(src_rows, W)
+    src_view[far_src] = patterns.to(CUDA)
+    far_dst = [4100 * B + 3, 2100 * B + 63, 4103 * B]
+    plan_src = torch.tensor([far_src.tolist()], dtype=I32, device=CUDA)
+    plan_dst = torch.tensor([far_dst], dtype=I32, device=CUDA)
+    gpu_kernels.gather_compact(src_view, dst, plan_src, plan_dst,
+                               torch.tensor([3], dtype=I32, device=CUDA))
+    torch.cuda.synchronize()
+    for i, d in enumerate(far_dst):
+        assert torch.equal(dst[d // B, d % B].cpu(), patterns[i])
+        wrapped = (d // B * stride + d % B * W) % (1 << 32)
+        if wrapped < (1 << 31):
+            assert int(slab[wrapped:wrapped + W].sum()) == 0
+    assert int(slab.view(torch.int64).count_nonzero()) <= 3 * W
+    del src, slab
+
+
+# ---------------------------------------------------------------------------
+# K4 invalidate (K-10, INV-41) and K5 copy_descriptors (K-11, INV-42)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hot, shift", [(4096, 0), (4093, 0), (4096, 1),
+                                        (31, 2)])
+def test_k10_invalidate_matches_reference(gpu_kernels, hot, shift):
+    """K-10, INV-41: vector (H % 4 == 0, 16-B aligned rows) and scalar paths
+    (odd H, or a dgi view shifted by ``shift`` int32 elements) clear exactly
+    the reference's entries; bad requests, slots and rows change nothing."""
+    gen = torch.Generator().manual_seed(hot + shift)
+    S, reqs, tokens = 9, 6, 700
+    full = torch.randint(-1, 300, (S * hot + shift,), dtype=I32,
+                         generator=gen)
+    dgi = full[shift:].view(S, hot)
+    req_state = torch.tensor([3, -1, 0, 8, 12, 5], dtype=I32)
+    token_req = torch.randint(-2, reqs + 2, (tokens,), dtype=I32,
+                              generator=gen)
+    written = torch.randint(-3, 300, (tokens,), dtype=torch.int64,
+                            generator=gen)
+    written[:5] = 2**31 + 7
+    got_full = full.to(CUDA)
+    got = got_full[shift:].view(S, hot)
+    reference.ref_invalidate(dgi, req_state, token_req, written)
+    gpu_kernels.invalidate_written_slots(got, req_state.to(CUDA),
+                                         token_req.to(CUDA),
+                                         written.to(CUDA))
+    assert_same_tensor("dgi", got_full, full)
+    gpu_kernels.invalidate_written_slots(got, req_state.to(CUDA),
+                                         token_req[:0].to(CUDA),
+                                         written[:0].to(CUDA))
+    assert_same_tensor("dgi (no tokens)", got_full, full)
+
+
+def test_k11_copy_descriptors_equals_copy_engine(gpu_kernels):
+    """K-11, INV-42: K5 and cudaMemcpy produce identical bytes for 656 B,
+    4 KiB and 42 KB runs, odd sizes and misaligned addresses (16/4/1-byte
+    paths), host-to-device, device-to-host and device-to-device."""
+    gen = torch.Generator().manual_seed(11)
+    n = 1 << 22
+    host_src = torch.randint(0, 256, (n,), dtype=torch.uint8,
+                             generator=gen).pin_memory()
+    dev_src = torch.randint(0, 256, (n,), dtype=torch.uint8,
+                            device=CUDA)
+    sizes = [656, 4096, 41984, 37, 20, 1, 656, 8192, 3, 100000]
+    shifts = [0, 0, 0, 1, 4, 3, 16, 0, 2, 5]
+    directions = ["h2d", "d2d", "d2h", "h2d", "d2h", "d2d", "h2d", "d2h",
+                  "h2d", "d2d"]
+    dev_a = torch.zeros(n, dtype=torch.uint8, device=CUDA)
+    dev_b = torch.zeros(n, dtype=torch.uint8, device=CUDA)
+    host_a = torch.zeros(n, dtype=torch.uint8).pin_memory()
+    host_b = torch.zeros(n, dtype=torch.uint8).pin_memory()
+    src_ptr, dst_ptr, nbytes = [], [], []
+    cursor = 0
+    for size, shift, direction in zip(sizes, shifts, directions):
+        so = cursor + shift
+        do = cursor + (shift * 7) % 16
+        s = host_src if direction == "h2d" else dev_src
+        d_a = host_a if direction == "d2h" else dev_a
+        d_b = host_b if direction == "d2h" else dev_b
+        src_ptr.append(s.data_ptr() + so)
+        dst_ptr.append(d_a.data_ptr() + do)
+        nbytes.append(size)
+        d_b[do:do + size].copy_(s[so:so + size])  # copy engine
+        cursor += size + 64
+    src_ptr.append(0)
+    dst_ptr.append(dev_a.data_ptr())
+    nbytes.append(64)  # null source: skipped
+    torch.cuda.synchronize()
+    as_dev = lambda v: torch.tensor(v, dtype=torch.int64, device=CUDA)
+    gpu_kernels.copy_descriptors(as_dev(src_ptr), as_dev(dst_ptr),
+                                 as_dev(nbytes))
+    torch.cuda.synchronize()
+    assert_same_tensor("device bytes", dev_a, dev_b)
+    assert_same_tensor("host bytes", host_a, host_b)

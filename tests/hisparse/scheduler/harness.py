@@ -48,6 +48,7 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.hisparse.kv_cache_coordinator import HiSparseKVCacheCoordinator
 from vllm.v1.hisparse.layout import (
@@ -162,6 +163,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     kv_transfer_config: KVTransferConfig | None = None,
     kv_events_config: KVEventsConfig | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     """vLLM's Scheduler over ``kv_cache_config``. With a HiSparse config,
     HiSparse is enabled and the connector defaults to HiSparseConnector
@@ -180,7 +182,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         watermark=0.0,
     )
     cache_config = CacheConfig(block_size=B, enable_prefix_caching=True)
@@ -198,11 +200,13 @@ def make_scheduler(
         kv_events_config=kv_events_config,
     )
     # vLLM's CPU platform (forced for these tests) disables chunked prefill
-    # for MLA models; the CUDA platform that serves HiSparse does not.
-    # Schedule as on the GPU.
+    # for MLA models and async scheduling; the CUDA platform that serves
+    # HiSparse does neither. Schedule as on the GPU.
     vllm_config.scheduler_config.enable_chunked_prefill = True
     vllm_config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
-    scheduler = Scheduler(
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         block_size=B,
@@ -374,10 +378,12 @@ class SimWorker:
         for req_id, n in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             self.requests_seen[req_id] = request
-            tags = self.tags.setdefault(req_id, RowTags()).extend_to(
-                request.all_token_ids
-            )
             c = computed[req_id]
+            # Under async scheduling the worker is ahead of the scheduler: it
+            # feeds the tokens it sampled itself (sampled_token).
+            tokens = list(request.all_token_ids)
+            tokens += [sampled_token(p) for p in range(len(tokens), c + n)]
+            tags = self.tags.setdefault(req_id, RowTags()).extend_to(tokens)
             table = self.tables[req_id]
             for page in range(c // B, (c + n - 1) // B + 1):
                 lo, hi = max(c, page * B), min(c + n, (page + 1) * B)
@@ -510,30 +516,71 @@ class SimWorker:
         return out
 
 
-def run_step(
-    scheduler: Scheduler, worker: SimWorker, rng: random.Random | None = None
-) -> SchedulerOutput:
-    """One engine step: schedule, simulated forward, sample, update."""
-    so = scheduler.schedule()
-    connector_output = worker.step(so)
+def sampled_token(position: int) -> int:
+    """The token the simulated model samples for ``position``: a function of
+    the position only, so the worker knows it before the scheduler does
+    (async scheduling runs the next forward before the previous output is
+    processed). Never the EOS id."""
+    return position % 997 + 2
+
+
+def scheduled_positions(so: SchedulerOutput) -> dict[str, tuple[int, int]]:
+    """req id -> (computed tokens before the step, tokens scheduled)."""
+    computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return {r: (computed[r], n) for r, n in so.num_scheduled_tokens.items()}
+
+
+def model_output(
+    scheduler: Scheduler, so: SchedulerOutput, connector_output: KVConnectorOutput
+) -> ModelRunnerOutput:
+    """What the model returns for ``so``: a token for every request whose
+    scheduled tokens reach the end of its prompt."""
     req_ids = list(so.num_scheduled_tokens)
     sampled: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        done_after = request.num_computed_tokens  # already advanced
-        if done_after >= request.num_tokens:
-            token = rng.randint(1, 1000) if rng else (len(request.all_token_ids) % 997) + 1
-            sampled.append([token])
-        else:
-            sampled.append([])
-    output = ModelRunnerOutput(
+    for req_id, (c, n) in scheduled_positions(so).items():
+        request = scheduler.requests.get(req_id)
+        done = request is not None and c + n >= request.num_prompt_tokens
+        sampled.append([sampled_token(c + n)] if done else [])
+    return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
         kv_connector_output=connector_output,
     )
-    scheduler.update_from_output(so, output)
+
+
+def run_step(scheduler: Scheduler, worker: SimWorker) -> SchedulerOutput:
+    """One engine step: schedule, simulated forward, sample, update."""
+    so = scheduler.schedule()
+    connector_output = worker.step(so)
+    scheduler.update_from_output(so, model_output(scheduler, so, connector_output))
     return so
+
+
+class AsyncDriver:
+    """The engine loop of async scheduling: step t+1 is scheduled and its
+    forward runs before step t's output is processed (one step in flight)."""
+
+    def __init__(self, scheduler: Scheduler, worker: SimWorker) -> None:
+        self.scheduler, self.worker = scheduler, worker
+        self.in_flight: tuple[SchedulerOutput, KVConnectorOutput] | None = None
+
+    def step(self) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        out = self.worker.step(so)
+        if self.in_flight is not None:
+            prev, prev_out = self.in_flight
+            self.scheduler.update_from_output(
+                prev, model_output(self.scheduler, prev, prev_out))
+        self.in_flight = (so, out)
+        return so
+
+    def busy(self) -> bool:
+        s = self.scheduler
+        return (self.in_flight is not None and bool(self.in_flight[0].num_scheduled_tokens)) \
+            or s.has_unfinished_requests() or s.connector.has_pending_push_work()
 
 
 def drain(scheduler: Scheduler, worker: SimWorker, max_steps: int = 10_000) -> int:

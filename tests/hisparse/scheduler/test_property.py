@@ -69,7 +69,7 @@ def test_random_pressure_keeps_every_invariant(build, seed):
     for i in range(steps):
         try:
             workload_step(s, rng, prefixes, counter, i)
-            run_step(s, w, rng)
+            run_step(s, w)
             check_invariants(s)
         except AssertionError as e:
             raise AssertionError(

@@ -262,6 +262,18 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 out.append(hits.get(gid, [])[:num_pages])
         return tuple(out), length, 0
 
+    def find_longest_cache_hit_per_group(
+        self,
+        block_hashes: list[BlockHash],
+        max_cache_hit_length: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
+        # The pin uses this for models with mamba layers only; should it be
+        # reached, per-group hits must still use the right pool per group.
+        blocks, length, _ = self.find_longest_cache_hit(
+            block_hashes, max_cache_hit_length
+        )
+        return blocks, tuple(length for _ in blocks)
+
     # ----------------------------------------------------- per-step hooks
 
     def get_num_blocks_to_allocate(

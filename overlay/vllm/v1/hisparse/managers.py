@@ -20,13 +20,11 @@ logic lives in ``HiSparseCoordinator`` and runs through the hooks below.
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
@@ -160,30 +158,9 @@ class HiSparseResidentManager(FullAttentionManager):
 
     A null entry means "read this page from host". Pages are never prefix
     cached; published copies are found through the coordinator's copies
-    table instead (4.7).
+    table instead (4.7). Prefix hits are decided by the HiSparse KV-cache
+    coordinator, which starts a hit with null entries here.
     """
-
-    supports_fine_grained_hash_lookup: ClassVar[bool] = False
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: BlockHashList,
-        max_length: int,
-        kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """Neutral: any prefix the source holds starts as null entries."""
-        num_pages = max_length // kv_cache_spec.block_size
-        length = num_pages * kv_cache_spec.block_size
-        return tuple(
-            [block_pool.null_block] * num_pages for _ in kv_cache_group_ids
-        ), length
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Pages ``allocate_new_blocks`` would add for ``num_tokens``."""
@@ -231,31 +208,12 @@ class HiSparseResidentManager(FullAttentionManager):
 class HiSparseHotManager(FullAttentionManager):
     """A hot group: a request's fixed region of hot slots (spec 2.4)."""
 
-    supports_fine_grained_hash_lookup: ClassVar[bool] = False
-
     def __init__(
         self, *args, hisparse: "HiSparseCoordinator", region_blocks: int, **kwargs
     ) -> None:
         super().__init__(*args, **kwargs)
         self.hisparse = hisparse
         self.region_blocks = region_blocks
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes: BlockHashList,
-        max_length: int,
-        kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """Neutral: a hot region holds no prefix."""
-        length = max_length - max_length % kv_cache_spec.block_size
-        return tuple([] for _ in kv_cache_group_ids), length
 
     def _wants_region(self, request_id: str, total_computed_tokens: int) -> bool:
         if self.hisparse.is_hot_required(request_id):

@@ -89,6 +89,8 @@ class RequestResidency:
     publication: int | None = None
     """Tokens the source manager asked to publish (4.4); None when none."""
     hot_required: bool = False
+    hot_ready: bool = False
+    """The hot region is complete (cached: it never shrinks while live)."""
     live: bool = True
     detached: "DetachedPublication | None" = None
 
@@ -225,6 +227,11 @@ class HiSparseCoordinator:
         return all(
             len(m.req_to_blocks.get(request_id, ())) >= need for m in self.hots
         )
+
+    def _hot_ready(self, st: RequestResidency) -> bool:
+        if not st.hot_ready and st.hot_required:
+            st.hot_ready = self.can_read_from_host(st.request_id)
+        return st.hot_ready
 
     def has_pending_work(self) -> bool:
         """INV-15: keep the engine stepping until every ack has arrived."""
@@ -364,7 +371,7 @@ class HiSparseCoordinator:
     ) -> None:
         if st.pages_to_adopt:
             self._adopt(st, tables)
-        if self.can_read_from_host(st.request_id):
+        if self._hot_ready(st):
             self._unpin_eligible(st, tables)
             return
         if st.hot_required:
@@ -490,10 +497,9 @@ class HiSparseCoordinator:
         if st.publication is None or st.request is None or not st.live:
             return
         num_pages = min(st.publication // self.block_size, st.ready_prefix)
-        if num_pages <= 0:
-            return
-        self.source.publish_prefix(st.request, num_pages * self.block_size)
-        self._record_copies(st, num_pages)
+        if num_pages > self.source.num_cached_block.get(st.request_id, 0):
+            self.source.publish_prefix(st.request, num_pages * self.block_size)
+            self._record_copies(st, num_pages)
         if st.ready_prefix * self.block_size >= st.publication:
             st.publication = None
 
@@ -537,7 +543,7 @@ class HiSparseCoordinator:
         for st in advanced.values():
             if st.live and self.states.get(st.request_id) is st:
                 # One batch per request, so the unpin is tail-first.
-                if self.can_read_from_host(st.request_id):
+                if self._hot_ready(st):
                     self._unpin_eligible(st, self._tables(st.request_id))
                 self._publish(st)
             elif st.detached is not None and not st.pending:
@@ -683,15 +689,20 @@ class HiSparseCoordinator:
         mirrors: list[RowMirror] = []
         for page in range(s0 // b, cdiv(s1, b)):
             lo, hi = max(s0, page * b), min(s1, (page + 1) * b)
-            blocks = [t[page] for t in tables]
-            if hi <= lo or host[page].is_null or any(x.is_null for x in blocks):
+            host_block = host[page]
+            if hi <= lo or host_block.is_null:
                 continue
             off = lo - page * b
-            mirrors.append(
-                RowMirror(
-                    src_row_start=tuple(x.block_id * b + off for x in blocks),
-                    host_row_start=host[page].block_id * b + off,
+            starts = []
+            for t in tables:
+                blk = t[page]
+                if blk.is_null:
+                    break
+                starts.append(blk.block_id * b + off)
+            else:
+                mirrors.append(RowMirror(
+                    src_row_start=tuple(starts),
+                    host_row_start=host_block.block_id * b + off,
                     num_rows=hi - lo,
-                )
-            )
+                ))
         return mirrors

@@ -361,9 +361,13 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             manager.cache_blocks(
                 request, num_tokens, retention_interval=self.retention_interval
             )
+        # Mark the request running in the lockstep groups too (the pin's
+        # managers use num_cached_block to recognise running requests).
+        req_id = request.request_id
         for group_ids in self._lockstep:
-            for gid in group_ids:
-                managers[gid].num_cached_block.setdefault(request.request_id, 0)
+            if group_ids and req_id not in managers[group_ids[0]].num_cached_block:
+                for gid in group_ids:
+                    managers[gid].num_cached_block.setdefault(req_id, 0)
         self.hisparse.advance_scheduled(request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:

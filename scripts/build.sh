@@ -86,5 +86,5 @@ echo "wheel: $built"
 [[ $install == 1 ]] && echo "installed into: $venv"
 echo "applied patches (series $series_sha, overlay $overlay_sha):"
 while read -r name; do
-  [[ -n "$name" ]] && printf '  %-44s %s\n' "$name" "$(sed -n 's/^Subject: //p' "$HS_PATCHES/$name.patch" | head -1)"
+  [[ -n "$name" ]] && printf '  %-44s %s\n' "$name" "$(awk '/^Subject: /{s=substr($0,10); while ((getline l) > 0 && l ~ /^[ \t]/) s=s l; print s; exit}' "$HS_PATCHES/$name.patch" | tr -s ' \t' ' ')"
 done < <(hs_series_names)

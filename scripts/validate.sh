@@ -8,7 +8,8 @@
 #     MANIFEST, UPSTREAM and VERSION; `bash -n` on every script.
 #   full (default) adds the apply tier: the series applies on the pin with
 #     git am (no fuzz, no 3-way) as an stgit stack, the export round-trips
-#     byte for byte, and no patch is already upstream (applies in reverse).
+#     byte for byte, no patch is already upstream (applies in reverse), and
+#     every prefix of the series imports (scripts/bisect-check.sh, needs .venv).
 source "$(dirname "$0")/lib.sh"
 
 lint_only=0
@@ -39,5 +40,11 @@ while read -r name; do
     hs_log "A4 $name applies in reverse on the pin: already upstream? drop it or mark it Accepted"; rc=1
   fi
 done < <(hs_series_names)
+# A5 / target S2: every prefix applies and its Python imports.
+if [[ -x "$HS_ROOT/.venv/bin/python" ]]; then
+  "$HS_ROOT/scripts/bisect-check.sh" || rc=1
+else
+  hs_log "A5 bisect check skipped: no .venv (run scripts/build.sh)"
+fi
 [[ $rc == 0 ]] && hs_log "validate: lint + apply tier passed"
 exit $rc

@@ -15,6 +15,8 @@ from vllm.config.hisparse import MAX_DEVICE_BUFFER_SIZE, HiSparseConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from tests.hisparse.scheduler.harness import glm_config
+
 # AttentionConfig().compute_hash() of pristine vLLM 0.26.0 (measured on the
 # unpatched sdist). HiSparse off must hash exactly like the pin, or every
 # existing deployment would miss its compile cache after the upgrade.
@@ -177,9 +179,29 @@ def test_malformed_json_is_rejected(parse, capsys):
     assert "--attention-config" in err
 
 
-def test_engine_config_round_trip(parse):
-    """EngineArgs -> VllmConfig keeps the parsed HiSparse config intact."""
-    args = parse("--attention-config.hisparse_config", '{"host_pool_gib": 16}')
+@pytest.fixture(scope="module")
+def glm_model_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("glm")
+    (d / "config.json").write_text(json.dumps(glm_config()))
+    return str(d)
+
+
+def test_engine_config_round_trip(glm_model_dir):
+    """EngineArgs -> VllmConfig keeps the parsed HiSparse config intact on a
+    sparse-MLA model, and installs HiSparseConnector (spec 6.2)."""
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args([
+        "--model", glm_model_dir, "--skip-tokenizer-init", "--max-model-len", "4096",
+        "--attention-config.hisparse_config", '{"host_pool_gib": 1}']))
     vllm_config = args.create_engine_config()
     assert vllm_config.attention_config.hisparse_config == HiSparseConfig(
-        host_pool_gib=16)
+        host_pool_gib=1)
+    assert vllm_config.kv_transfer_config.kv_connector == "HiSparseConnector"
+
+
+def test_dense_model_is_refused_before_the_model_loads(parse):
+    """R1: HiSparse on a model without a sparse-MLA indexer fails while the
+    engine config is built (VllmConfig), with the model named."""
+    args = parse("--attention-config.hisparse_config", '{"host_pool_gib": 16}')
+    with pytest.raises(Exception, match="OPTForCausalLM is not supported"):
+        args.create_engine_config()

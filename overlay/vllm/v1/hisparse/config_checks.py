@@ -366,9 +366,9 @@ def verify_hisparse_config(vllm_config: "VllmConfig") -> None:
         HiSparseConfigError: the first failing check, in spec 6.3 order.
     """
     hisparse_config = vllm_config.attention_config.hisparse_config
-    if hisparse_config is None:
-        return
     model_config = vllm_config.model_config
+    if hisparse_config is None or model_config is None:
+        return  # off, or no model yet (the layout builder checks again)
     architecture = model_architecture(vllm_config)
     index_topk = model_index_topk(vllm_config)
     check_model_supported(

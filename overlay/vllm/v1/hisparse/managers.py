@@ -162,6 +162,30 @@ class HiSparseResidentManager(FullAttentionManager):
     coordinator, which starts a hit with null entries here.
     """
 
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Pages needing a GPU block: every page of ``num_tokens`` except
+        those already held and the computed prefix, which is host-only (null
+        entries for local and external hits alike), capped at cap_res on
+        admission (spec 2.4)."""
+        pages = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self._max_admission_blocks_per_request is not None:
+            pages = min(pages, self._max_admission_blocks_per_request)
+        held = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            return max(pages - held, 0)  # running: its table covers its history
+        computed = max(held + len(new_computed_blocks),
+                       total_computed_tokens // self.block_size)
+        return max(pages - computed, 0)
+
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Pages ``allocate_new_blocks`` would add for ``num_tokens``."""
         held = len(self.req_to_blocks.get(request_id, ()))

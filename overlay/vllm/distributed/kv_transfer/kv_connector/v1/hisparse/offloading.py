@@ -1,0 +1,312 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The OffloadingConnector, restricted to what it may offload under HiSparse
+(spec 1.5, 4.14, 6.2; INV-31).
+
+HiSparse splits the sparse-MLA model's KV into source, indexer, resident, hot
+and other groups (spec 3.1). Only the indexer and other groups are ordinary
+prefix-cacheable GPU KV: the source group's block ids are *host* block ids
+(another id namespace), and resident/hot leases are GPU caches of host data.
+The indexer KV therefore keeps the generic offloader, while the sparse-MLA KV
+lives in HiSparse's host pool.
+
+``HiSparseOffloadingConnector`` runs the unmodified OffloadingConnector over a
+*filtered view*: a ``KVCacheConfig`` holding only the offloadable groups and
+their tensors, with group indices remapped at every boundary:
+
+- scheduler side: ``update_state_after_alloc`` (``KVCacheBlocks`` subset),
+  ``build_connector_meta`` (a shallow copy of the ``SchedulerOutput`` whose
+  per-group block-id tuples keep only the offloadable groups),
+  ``request_finished_all_groups``, and ``take_events`` (event ``group_idx``
+  mapped back to the real group id);
+- worker side: ``register_kv_caches`` gets only the offloadable layers.
+
+Two HiSparse rules are added on top:
+
+- the external (offloaded) hit is capped at the host prefix (spec 4.14), so
+  every page below the start has a host copy and an indexer block (INV-31);
+  the source and resident managers then take the cached host blocks and null
+  resident entries for those pages;
+- GPU blocks newly leased to resident or hot groups are reported to the
+  offloader as reallocated, so a deferred store of a freed indexer block
+  that the pool has just handed to a resident/hot lease is flushed before
+  this step's forward overwrites it (the pin's reallocation fence, which
+  would otherwise see only the groups in its view).
+"""
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.hisparse.layout import HiSparseKVCacheConfig, HiSparseLayout
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+    from vllm.v1.request import Request
+
+# The pin's set of GPU block ids (re)allocated in the current step; a
+# pending store whose source block is in it is flushed before the forward.
+_REALLOCATED = "_current_batch_allocated_block_ids"
+
+NOT_A_HISPARSE_LAYOUT = (
+    "HiSparseOffloadingConnector offloads the indexer KV of a HiSparse layout "
+    "and needs --attention-config '{\"hisparse_config\": {...}}'; without "
+    "HiSparse use OffloadingConnector."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadableGroups:
+    """Which KV-cache groups the offloader sees, and in which order.
+
+    ``ids[i]`` is the real group id of the offloader's group ``i``.
+    ``fenced_ids`` are the GPU groups it must not copy but whose new block
+    leases it must see (resident and hot share the GPU pool with the
+    indexer). The source group is in neither: its ids are host block ids.
+    """
+
+    ids: tuple[int, ...]
+    fenced_ids: tuple[int, ...]
+
+    @classmethod
+    def from_layout(cls, layout: HiSparseLayout) -> "OffloadableGroups":
+        return cls(
+            ids=(layout.INDEXER_GROUP_ID, *layout.other_group_ids),
+            fenced_ids=(*layout.resident_group_ids, *layout.hot_group_ids),
+        )
+
+    def select(self, per_group: Sequence[Any]) -> tuple[Any, ...]:
+        """The offloader's view of a per-group sequence."""
+        return tuple(per_group[g] for g in self.ids)
+
+    def select_optional(self, per_group: Sequence[Any] | None) -> tuple | None:
+        return None if per_group is None else self.select(per_group)
+
+    def fenced_block_ids(self, per_group: Sequence[Sequence[int]]) -> Iterator[int]:
+        for g in self.fenced_ids:
+            yield from (b for b in per_group[g] if b)  # 0 is the null block
+
+
+def offloadable_kv_cache_config(
+    config: HiSparseKVCacheConfig, groups: OffloadableGroups
+) -> KVCacheConfig:
+    """A plain ``KVCacheConfig`` with the offloadable groups and only their
+    layers' tensors. Tensors shared with resident/hot layers keep only the
+    offloadable names; tensors left without one are dropped, so the
+    offloader's worker never looks up a virtual or host layer."""
+    kept = {name for g in groups.ids for name in config.kv_cache_groups[g].layer_names}
+    tensors = []
+    for tensor in config.kv_cache_tensors:
+        names = [n for n in tensor.shared_by if n in kept]
+        if names:
+            tensors.append(dataclasses.replace(tensor, shared_by=names))
+    return KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[config.kv_cache_groups[g] for g in groups.ids],
+    )
+
+
+def scheduler_output_view(
+    scheduler_output: SchedulerOutput, groups: OffloadableGroups
+) -> SchedulerOutput:
+    """A shallow copy whose per-group fields keep only the offloadable
+    groups (the request data objects are copied, never mutated)."""
+    cached = scheduler_output.scheduled_cached_reqs
+    common = scheduler_output.num_common_prefix_blocks
+    return dataclasses.replace(
+        scheduler_output,
+        scheduled_new_reqs=[
+            dataclasses.replace(req, block_ids=groups.select(req.block_ids))
+            for req in scheduler_output.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=dataclasses.replace(
+            cached,
+            new_block_ids=[groups.select_optional(b) for b in cached.new_block_ids],
+        ),
+        num_common_prefix_blocks=list(groups.select(common)) if common else common,
+    )
+
+
+class HiSparseOffloadingConnector(OffloadingConnector):
+    """OffloadingConnector over the indexer and other groups of a HiSparse
+    layout (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ):
+        if not isinstance(kv_cache_config, HiSparseKVCacheConfig):
+            raise ValueError(NOT_A_HISPARSE_LAYOUT)
+        layout = kv_cache_config.layout
+        self._groups = OffloadableGroups.from_layout(layout)
+        self._block_size = layout.block_size
+        self._offloadable_layers = frozenset(
+            name
+            for g in self._groups.ids
+            for name in kv_cache_config.kv_cache_groups[g].layer_names
+        )
+        self._hisparse: HiSparseCoordinator | None = None
+        super().__init__(
+            vllm_config,
+            role,
+            offloadable_kv_cache_config(kv_cache_config, self._groups),
+        )
+        if self.connector_scheduler is not None and not isinstance(
+            getattr(self.connector_scheduler, _REALLOCATED, None), set
+        ):
+            # Fail at startup, not silently at run time, if the pin's
+            # reallocation fence (see _fence) moves.
+            raise RuntimeError(
+                f"OffloadingConnectorScheduler.{_REALLOCATED} is gone; "
+                "HiSparseOffloadingConnector cannot fence resident/hot leases."
+            )
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        # HiSparse's layout builder packs its own device slab (several
+        # groups); the runner's single-group cross-layer tensor never applies.
+        return False
+
+    # ----------------------------------------------------------- binding
+
+    def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
+        """The HiSparse GPU pool carries the residency coordinator, which
+        knows the host prefix (MultiConnector forwards this to every child)."""
+        hisparse = getattr(gpu_block_pool, "hisparse", None)
+        if hisparse is None:
+            raise ValueError(NOT_A_HISPARSE_LAYOUT)
+        self._hisparse = hisparse
+        super().bind_gpu_block_pool(gpu_block_pool)
+
+    @property
+    def hisparse(self) -> "HiSparseCoordinator":
+        assert self._hisparse is not None, "bind_gpu_block_pool was not called"
+        return self._hisparse
+
+    # ----------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """The offloader's indexer hit, capped at the host prefix (4.14)."""
+        num_tokens, load_async = super().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+        if not num_tokens:
+            return num_tokens, load_async  # None: lookup pending; 0: no hit
+        num_tokens = min(num_tokens, self._external_end(request) - num_computed_tokens)
+        if num_tokens <= 0:
+            return 0, False
+        # The source manager takes the cached host blocks of these pages.
+        self.hisparse.expect_external(request)
+        return num_tokens, load_async
+
+    def _external_end(self, request: "Request") -> int:
+        """Where loaded indexer KV must stop (block-aligned).
+
+        At the host prefix h_s: every page below the start needs a host copy
+        (INV-31). And, as for a local hit (``max_cache_hit_length =
+        num_tokens - 1``), before the last token, which is recomputed to
+        sample: its page would have a null resident entry (nowhere to write)
+        and a published host block shared with other requests (which must
+        not be rewritten).
+        """
+        b = self._block_size
+        before_last = (request.num_tokens - 1) // b * b
+        return min(self.hisparse.host_prefix_tokens(request), before_last)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0:
+            # A request starting an async load is not in this step's output,
+            # so the pin records its (view's) new blocks here; add the
+            # resident/hot ones.
+            self._fence(
+                b.block_id
+                for g in self._groups.fenced_ids
+                for b in blocks.blocks[g]
+                if not b.is_null
+            )
+        super().update_state_after_alloc(
+            request,
+            KVCacheBlocks(self._groups.select(blocks.blocks)),
+            num_external_tokens,
+        )
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
+        for _, new_block_ids, _ in yield_req_data(scheduler_output):
+            if new_block_ids:
+                self._fence(self._groups.fenced_block_ids(new_block_ids))
+        return super().build_connector_meta(
+            scheduler_output_view(scheduler_output, self._groups)
+        )
+
+    def _fence(self, block_ids: Iterable[int]) -> None:
+        """Report GPU blocks newly leased to resident/hot groups as
+        reallocated this step.
+
+        The pin flushes a pending store (of a finished request's block, or a
+        preempted one's) before the forward when one of its source blocks is
+        reallocated in the same step, but it learns reallocations only from
+        the groups in its view. Resident and hot leases come from the same
+        GPU pool and overwrite the same bytes, so they must reach the same
+        set (``OffloadingConnectorScheduler._current_batch_allocated_block_ids``,
+        a private attribute: checked at construction).
+        """
+        assert self.connector_scheduler is not None
+        getattr(self.connector_scheduler, _REALLOCATED).update(block_ids)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return super().request_finished_all_groups(
+            request, self._groups.select(block_ids)
+        )
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Offload events carry the real group id (the view's index is
+        meaningless to a KV-event consumer)."""
+        for event in super().take_events():
+            group_idx = getattr(event, "group_idx", None)
+            if group_idx is not None:
+                event.group_idx = self._groups.ids[group_idx]
+            yield event
+
+    # ------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Only the offloadable layers: the runner's dict may also hold the
+        resident/hot views and must never lead to host memory."""
+        super().register_kv_caches(
+            {n: t for n, t in kv_caches.items() if n in self._offloadable_layers}
+        )
+
+
+__all__ = [
+    "HiSparseOffloadingConnector",
+    "OffloadableGroups",
+    "offloadable_kv_cache_config",
+    "scheduler_output_view",
+]

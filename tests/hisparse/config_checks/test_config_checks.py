@@ -353,3 +353,12 @@ def test_verify_sparse_model(sparse_model_dir, ram):
     ram(4)  # 4 GiB pool > 95% of 4 GiB
     with pytest.raises(HiSparseConfigError, match="needs 4.0 GiB but only 4.0 GiB"):
         cc.verify_hisparse_config(vllm_config)
+
+
+def test_verify_refuses_routed_experts(sparse_model_dir, ram):
+    """R1: vLLM's own refusal of routed experts with a KV connector runs
+    before HiSparse installs its connector, so HiSparse refuses it."""
+    vllm_config = vllm_config_for(sparse_model_dir, {"host_pool_gib": 4})
+    vllm_config.model_config.enable_return_routed_experts = True
+    with pytest.raises(HiSparseConfigError, match="--enable-return-routed-experts"):
+        cc.verify_hisparse_config(vllm_config)

@@ -174,6 +174,19 @@ def check_speculative_method(method: str | None) -> None:
         )
 
 
+def check_routed_experts(enabled: bool) -> None:
+    """vLLM refuses --enable-return-routed-experts with any KV connector
+    (its slot-indexed buffer breaks when KV lives outside the GPU); HiSparse
+    always installs one, after that check has run, so refuse it here."""
+    if enabled:
+        raise HiSparseConfigError(
+            "HiSparse keeps KV outside GPU memory through its KV connector, "
+            "which --enable-return-routed-experts does not support "
+            "(model_config.enable_return_routed_experts=True). Disable one of "
+            "the two."
+        )
+
+
 # --------------------------------------------------------- device buffer (H)
 
 
@@ -388,6 +401,7 @@ def verify_hisparse_config(vllm_config: "VllmConfig") -> None:
     check_hybrid_kv_cache_manager(
         bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
     )
+    check_routed_experts(bool(model_config.enable_return_routed_experts))
     speculative_config = vllm_config.speculative_config
     check_speculative_method(
         speculative_config.method if speculative_config is not None else None

@@ -27,15 +27,19 @@ constexpr int kCopyThreads = kCopyWarps * 32;
 //
 // With Umax = q*K, Hs = round_up(ceil(1.5*Umax), 32), C = ceil(max(H,Umax)/32)+1:
 //   hash keys    int32[Hs]    key (host row g) per hash slot, -1 = empty
-//   hash values  int32[Hs]    (u << 16) | first flat index of the key
-//   union keys   int32[Umax]  key per union entry u; later its miss flag
-//   scan A       int32[C]     ballot words (one bit per element of a pass)
-//   scan B       int32[C]     exclusive prefix of popc(scan A)
+//   hash values  int32[Hs]    per key: first-hit position, then slot | miss
+//                             bit | first flat index (packed)
+//   union keys   int32[Umax]  Bloom filter of the union keys, then the
+//                             per-row valid counts
+//   scan A       int32[C]     ballot words, one bit per LRU position
+//   scan B       int32[C]     ballot words, one bit per flat top-k entry
 //   counters     int32[8]
-//   union slots  int16[Umax]  first-hit LRU position, then the slot of u
-//   LRU output   int16[H]     union index per LRU position, then new lru row
+//   union slots  int16[Umax]  per flat entry: its key's hash slot or a code
+//   LRU output   int16[H]     the new lru row
+// (resolve_residency.cu, struct Smem, says how each array is used.)
 // total = 8*Hs + 6*Umax + 2*H + 8*C + 32 bytes. The int16 arrays are placed
-// last (the spec lists them earlier) so every int32 array stays 4-B aligned.
+// last (the spec lists them earlier) so every int32 array stays 4-B aligned
+// and the hash arrays 16-B aligned (Hs is a multiple of 32).
 // ---------------------------------------------------------------------------
 struct ResolverSmemLayout {
   int64_t union_max;    // Umax

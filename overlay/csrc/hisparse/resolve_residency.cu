@@ -9,82 +9,105 @@
 // other CTAs of the group exit at once. Groups touch disjoint state slots, so
 // CTAs never race on dgi/lru.
 //
-// Phases of one group (each ends at a block barrier):
-//   1 classify   entries -> invalid (-1) | resident (final hma id) | pending;
-//                pending keys go into the smem hash (atomicMin keeps the first
-//                flat index per key); the entry's hash slot h is kept in smem
-//                (LRU output array, free until phase 3) and its out_rows cell
-//                temporarily holds the marker -2-h. If nothing is pending the
-//                group ends here: dgi/lru are never read (INV-34).
-//   2 union      ballot-compact the first references in flat order -> union
-//                index u per key (U ordered by first occurrence).
-//   2b filter    one bit per union key in the scan arrays (free until 4).
-//   3 lru scan   per LRU position: tripwire 1, filter test, dgi lookup in
-//                the hash; the earliest position per key wins (a key in two
-//                slots only happens in corrupted state).
-//   4 hit rank   ballot words + prefix -> Hl and E in LRU-position order.
-//   5 reorder    new lru row = E[|M|:] ++ E[:|M|] ++ Hl, built in smem.
-//   6 misses     rank misses in U order, miss m takes E[m] (tripwire 2),
-//                writes dgi and plan entry m (row row0 + m/K, column m%K).
-//   7 emit       replace markers by hot-row hma ids, miss_mask, resolved_g,
-//                valid_counts; stats.
+// A group takes six block barriers (B0..B5); every phase between two of them
+// is one pass:
+//   start    row_req, the first top-k entries and their table cells are
+//            loaded before anything waits; smem init; group size.   -> B0
+//   1 classify  entries -> invalid | resident (final id written now) |
+//            pending: the key goes into the smem hash (an atomic minimum
+//            keeps its first flat index), a new key also into the Bloom
+//            filter and the union count. Each entry's code (its key's hash
+//            slot, or invalid/resident) is kept per flat index.      -> B1
+//            Nothing pending: count, write, stop; dgi/lru are never read
+//            (INV-34).
+//   2 lru scan  each warp owns a contiguous run of LRU positions: filter
+//            test, dgi lookup, first position per key by CAS minimum; one
+//            ballot word per 32 positions ("found").                  -> B2
+//            (A key found twice, only in corrupted state, is flagged; then
+//            the words are recomputed with the earliest-position rule, one
+//            extra barrier.)
+//   3 reorder   hit ranks from the words (each warp sums the popcounts
+//            before its run: no block scan), new lru row E[|M|:] ++ E[:|M|]
+//            ++ Hl in smem; one ballot word per 32 flat entries for "first
+//            reference of a missed key" (U order = flat order).       -> B3
+//   4 assign    miss m (rank in U order) takes E[m] (tripwire 2), writes
+//            dgi and plan entry m; the key's hash value then holds its
+//            slot and the miss bit.                                  -> B4
+//   5 emit   pending entries get hot-row ids (a hit's slot is the old lru
+//            row at its first position), miss_mask, resolved_g; per-row
+//            valid counts.                                           -> B5
+//            new lru row, valid_counts, stats.
 // Shared memory holds only the arrays of the normative layout (see
-// resolver_smem_layout); each array is reused across phases as noted.
+// resolver_smem_layout); their roles in this kernel are listed at Smem.
 //
-// Latency, divergence and barriers, not bandwidth, bound this kernel (one
-// CTA per SM, ~15 barriers; Nsight Compute: 1.9 IPC, a third of the stalls
-// at barriers). Linear probing at load factor 2/3 gives the slowest lane of
-// a warp chains of 20-40 slots when a key is absent, which is what most LRU
-// positions hold once the hot buffer is full: a Bloom filter over the union
-// keys (phase 2b) lets those positions skip the probe, and probes read four
-// slots per 16-byte shared load. Tuning switches (defaults chosen by
-// measuring all of them on an H200, results/kernels/README.md):
+// Why this shape (results/kernels/README.md has the measurements): the
+// resolver is latency and barrier bound (one CTA per request, 64 of 132 SMs
+// busy at batch 64), so the design minimises dependent global loads, block
+// barriers and block-wide scans rather than bytes. Hash lookups after a
+// barrier use plain shared loads (only inserts need volatile ones).
+// Measured per phase (run 5, batch 64, all-hit, median CTA): start 1.7 us,
+// classify 9.5, scan 5.5, reorder 1.8, assign 0.6, emit 1.2: the hash
+// inserts and the hit lookups (shared-memory atomics and probes), not the
+// passes or barriers, are what is left.
+//
+// Tuning switches (defaults chosen by measurement on an H200, run 5 in
+// results/kernels/README.md):
+//   HISPARSE_HASH_HIGH    home slot = the spec's product mod Hs (0), or the
+//                         high bits of the product scaled to Hs (1: measured
+//                         equal, probe chains are short either way)
 //   HISPARSE_PROBE_VEC4   probe four slots per 16-byte shared load
-//   HISPARSE_HIT_ATOMIC   first hit position by 16-bit CAS minimum instead
-//                         of a plain store plus a fix-up pass
-//   HISPARSE_MISS_FILTER  the Bloom filter
-//   HISPARSE_BATCHED      several entries/positions per thread per load
-//                         round, per-row counts by block_sum(); otherwise
-//                         one per round, counted by __syncthreads_count
+//   HISPARSE_MISS_FILTER  Bloom filter (2 bits per key in one word, 32 bits
+//                         per union entry) in front of the dgi lookups
+//   HISPARSE_MIN_BLOCKS   CTAs per SM the register allocation must allow
+//                         (2 caps registers at 32: batch > #SMs in one wave)
+//   HISPARSE_PHASE_CLOCK  instrumentation only: thread 0 of every CTA prints
+//                         the clock64() cycles spent in each phase
 #include "hisparse_common.cuh"
 #include "ops.h"
 
 #include <atomic>
 
+#ifndef HISPARSE_HASH_HIGH
+#define HISPARSE_HASH_HIGH 0
+#endif
 #ifndef HISPARSE_PROBE_VEC4
 #define HISPARSE_PROBE_VEC4 1
-#endif
-#ifndef HISPARSE_HIT_ATOMIC
-#define HISPARSE_HIT_ATOMIC 0
 #endif
 #ifndef HISPARSE_MISS_FILTER
 #define HISPARSE_MISS_FILTER 1
 #endif
-#ifndef HISPARSE_BATCHED
-#define HISPARSE_BATCHED 0
+#ifndef HISPARSE_MIN_BLOCKS
+#define HISPARSE_MIN_BLOCKS 1
+#endif
+#ifndef HISPARSE_PHASE_CLOCK
+#define HISPARSE_PHASE_CLOCK 0
+#endif
+#if HISPARSE_PHASE_CLOCK
+#include <cstdio>
 #endif
 
 namespace hisparse {
 namespace {
 
 constexpr int32_t kEmptyKey = -1;
-constexpr uint16_t kNoSlot = 0xFFFF;   // "no hit yet" / "tripped"
-constexpr uint16_t kNoEntry = 0xFFFF;  // phase 1-2: entry is not pending
-#if HISPARSE_BATCHED
-constexpr int kEntryBatch = 2;  // top-k entries per thread per load round
-constexpr int kLruBatch = 4;    // LRU positions per thread per load round
-#else
-constexpr int kEntryBatch = 1;
-constexpr int kLruBatch = 1;
-#endif
+// Per flat entry code (union slots array): the hash slot of a pending
+// entry's key (Hs <= 49,152), or one of these.
+constexpr uint32_t kCodeResident = 0xFFFEu;  // resident, id >= 0
+constexpr uint32_t kCodeInvalid = 0xFFFFu;   // out_rows = -1
+// Hash value of a key: bits 31..16 its first-hit LRU position during the
+// scan, then its slot (kNone16: none yet / tripped); bit 15 "loaded by this
+// call"; bits 14..0 the first flat index of the key (flat < Umax <= 32768).
+constexpr uint32_t kNone16 = 0xFFFFu;
+constexpr uint32_t kMissBit = 0x8000u;
+constexpr uint32_t kFirstMask = 0x7FFFu;
+constexpr int kEntryBatch = 2;  // top-k entries per thread per load batch
+constexpr int kLruBatch = 4;    // LRU positions per lane per load batch
 
-// counters int32[8]; kCtrSum..kCtrSum+2 rotate in block_sum().
 enum Counter : int {
   kCtrGroupRows = 0,
-  kCtrUnion,
-  kCtrHits,
-  kCtrTrips,
-  kCtrSum
+  kCtrUnion,  // |U|
+  kCtrTrips,  // tripped misses
+  kCtrDup,    // a key was found at two LRU positions (corrupted state)
 };
 
 struct ResolveArgs {
@@ -121,70 +144,94 @@ struct ResolveArgs {
   ResolverSmemLayout layout;
 };
 
+// The normative arrays (hisparse_common.cuh) and what this kernel keeps in
+// them:
+//   hash_keys    int32[Hs]   key per hash slot, -1 = empty
+//   hash_values  uint32[Hs]  per key: position/slot | miss bit | first flat
+//   filter       int32[Umax] (union keys) Bloom filter until the scan ends,
+//                then the per-row valid counts
+//   words_pos    int32[C]    (scan A) one "hit" bit per LRU position
+//   words_ent    int32[C]    (scan B) one "first reference of a miss" bit
+//                per flat entry
+//   entry_code   int16[Umax] (union slots) code per flat entry
+//   lru_out      int16[H]    the new lru row
 struct Smem {
   int32_t* hash_keys;
-  int32_t* hash_values;
-  int32_t* union_keys;
-  unsigned* scan_a;
-  int32_t* scan_b;
+  uint32_t* hash_values;
+  uint32_t* filter;
+  unsigned* words_pos;
+  unsigned* words_ent;
   int32_t* ctr;
-  uint16_t* union_slots;
+  uint16_t* entry_code;
   int16_t* lru_out;
-  uint16_t* entry_h;  // phases 1-2: hash slot per flat entry (aliases lru_out)
-  int32_t hash_size;
-  int32_t scan_words;  // C
-  int sum_calls;       // block_sum() rotation, uniform across the block
+  int32_t hash_size;   // Hs
+  int32_t union_max;   // Umax (filter words)
 };
 
 struct Group {
   int64_t row0;  // first batch row
-  int64_t n;     // rows in the group (<= q)
+  int32_t n;     // rows in the group (<= q)
   int32_t req;
   int32_t state;
+  int32_t seq_len;
 };
 
 __device__ Smem carve_smem(unsigned char* base, const ResolverSmemLayout& l) {
   Smem s;
   s.hash_keys = reinterpret_cast<int32_t*>(base + l.hash_keys);
-  s.hash_values = reinterpret_cast<int32_t*>(base + l.hash_values);
-  s.union_keys = reinterpret_cast<int32_t*>(base + l.union_keys);
-  s.scan_a = reinterpret_cast<unsigned*>(base + l.scan_a);
-  s.scan_b = reinterpret_cast<int32_t*>(base + l.scan_b);
+  s.hash_values = reinterpret_cast<uint32_t*>(base + l.hash_values);
+  s.filter = reinterpret_cast<uint32_t*>(base + l.union_keys);
+  s.words_pos = reinterpret_cast<unsigned*>(base + l.scan_a);
+  s.words_ent = reinterpret_cast<unsigned*>(base + l.scan_b);
   s.ctr = reinterpret_cast<int32_t*>(base + l.counters);
-  s.union_slots = reinterpret_cast<uint16_t*>(base + l.union_slots);
+  s.entry_code = reinterpret_cast<uint16_t*>(base + l.union_slots);
   s.lru_out = reinterpret_cast<int16_t*>(base + l.lru_out);
-  s.entry_h = reinterpret_cast<uint16_t*>(base + l.lru_out);
   s.hash_size = static_cast<int32_t>(l.hash_size);
-  s.scan_words = static_cast<int32_t>(l.scan_words);
-  s.sum_calls = 0;
+  s.union_max = static_cast<int32_t>(l.union_max);
   return s;
 }
 
-// Knuth multiplicative hash with linear probing (spec 5.1).
+// Knuth multiplicative hashing with linear probing (spec 5.1): the spec's
+// (key*2654435761 mod 2^32) mod Hs by default; HISPARSE_HASH_HIGH=1 takes
+// the high bits of the product instead (one multiply-high, measured no
+// faster). Only the table layout depends on it, never an output.
 __device__ __forceinline__ int hash_home(int32_t key, int32_t size) {
-  return static_cast<int>((static_cast<uint32_t>(key) * 2654435761u) %
-                          static_cast<uint32_t>(size));
+  const uint32_t x = static_cast<uint32_t>(key) * 2654435761u;
+#if HISPARSE_HASH_HIGH
+  return static_cast<int>(__umulhi(x, static_cast<uint32_t>(size)));
+#else
+  return static_cast<int>(x % static_cast<uint32_t>(size));
+#endif
+}
+
+__device__ __forceinline__ int next_slot(int h, int size) {
+  return h + 1 == size ? 0 : h + 1;
 }
 
 #if HISPARSE_PROBE_VEC4
 // Four consecutive keys of the table (Hs is a multiple of 32, so an aligned
-// group never wraps). Volatile: inserts by other threads must be observed.
+// group never wraps).
+template <bool kVolatile>
 __device__ __forceinline__ int4 load_keys4(const int32_t* keys, int base) {
-  int4 v;
-  const unsigned addr =
-      static_cast<unsigned>(__cvta_generic_to_shared(keys + base));
-  asm volatile("ld.volatile.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
+  if (kVolatile) {  // inserts by other threads must be observed
+    int4 v;
+    const unsigned addr =
+        static_cast<unsigned>(__cvta_generic_to_shared(keys + base));
+    asm volatile("ld.volatile.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr));
+    return v;
+  }
+  return *reinterpret_cast<const int4*>(keys + base);
 }
 
 // First slot at or after h (in probe order) holding `key` or empty.
+template <bool kVolatile>
 __device__ __forceinline__ int probe(const Smem& s, int32_t key, int h) {
   int base = h & ~3;
   int first = h & 3;
   while (true) {
-    const int4 v = load_keys4(s.hash_keys, base);
+    const int4 v = load_keys4<kVolatile>(s.hash_keys, base);
     const int32_t k[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -196,107 +243,61 @@ __device__ __forceinline__ int probe(const Smem& s, int32_t key, int h) {
 }
 #else
 // First slot at or after h (in probe order) holding `key` or empty.
+template <bool kVolatile>
 __device__ __forceinline__ int probe(const Smem& s, int32_t key, int h) {
-  const volatile int32_t* keys = s.hash_keys;
   while (true) {
-    const int32_t k = keys[h];
+    const int32_t k =
+        kVolatile ? *reinterpret_cast<const volatile int32_t*>(s.hash_keys + h)
+                  : s.hash_keys[h];
     if (k == key || k == kEmptyKey) return h;
-    h = (h + 1 == s.hash_size) ? 0 : h + 1;
+    h = next_slot(h, s.hash_size);
   }
 }
 #endif
 
-__device__ __forceinline__ int hash_insert(const Smem& s, int32_t key) {
+// Insert (phase 1, concurrent): returns the key's slot; `created` is set for
+// exactly one thread per distinct key.
+__device__ __forceinline__ int hash_insert(const Smem& s, int32_t key,
+                                           bool& created) {
   int h = hash_home(key, s.hash_size);
   while (true) {
-    h = probe(s, key, h);
+    h = probe<true>(s, key, h);
     const int32_t prev = atomicCAS(&s.hash_keys[h], kEmptyKey, key);
-    if (prev == kEmptyKey || prev == key) return h;
-    h = (h + 1 == s.hash_size) ? 0 : h + 1;  // lost a race for slot h
+    if (prev == kEmptyKey) {
+      created = true;
+      return h;
+    }
+    if (prev == key) return h;
+    h = next_slot(h, s.hash_size);  // lost a race for slot h
   }
 }
 
-// The table never fills (|U| <= Umax < Hs), so a probe always ends.
+// Lookup after the inserts' barrier: plain loads. The table never fills
+// (|U| <= Umax < Hs), so a probe always ends.
 __device__ __forceinline__ int hash_find(const Smem& s, int32_t key) {
-  const int h = probe(s, key, hash_home(key, s.hash_size));
+  const int h = probe<false>(s, key, hash_home(key, s.hash_size));
   return s.hash_keys[h] == key ? h : -1;
 }
 
 #if HISPARSE_MISS_FILTER
-// Bloom filter over the union keys in the scan arrays (2*C words, C >= 2):
-// the largest power-of-two word count that fits, one bit per key.
-struct Filter {
-  unsigned* words;
-  int shift;  // 32 - log2(bits)
+// Bloom filter over the union keys: one word of the Umax-word array per key
+// (high bits of a second multiplicative hash), two bits in it. 32 bits per
+// possible union entry: ~0.7% false positives at |U| = Umax.
+struct FilterProbe {
+  int word;
+  uint32_t mask;
 };
 
-__device__ __forceinline__ Filter make_filter(const Smem& s) {
-  const int words = 2 * s.scan_words;
-  int log_words = 31 - __clz(words);
-  Filter f;
-  f.words = s.scan_a;  // scan_b follows scan_a directly
-  f.shift = 32 - (5 + log_words);
+__device__ __forceinline__ FilterProbe filter_probe(const Smem& s,
+                                                    int32_t key) {
+  const uint32_t x = static_cast<uint32_t>(key) * 0x9E3779B1u;
+  const uint32_t y = static_cast<uint32_t>(key) * 0x85EBCA77u;
+  FilterProbe f;
+  f.word = static_cast<int>(__umulhi(x, static_cast<uint32_t>(s.union_max)));
+  f.mask = (1u << (y >> 27)) | (1u << ((y >> 22) & 31u));
   return f;
 }
-
-__device__ __forceinline__ uint32_t filter_bit(const Filter& f, int32_t key) {
-  return (static_cast<uint32_t>(key) * 0x9E3779B1u) >> f.shift;
-}
-
-__device__ __forceinline__ bool filter_may_hold(const Filter& f,
-                                                int32_t key) {
-  const uint32_t b = filter_bit(f, key);
-  return (f.words[b >> 5] >> (b & 31)) & 1u;
-}
 #endif
-
-#if HISPARSE_BATCHED
-// Sum of x over the block, returned to every thread. Three counters rotate:
-// call N zeroes the counter call N+1 uses before its own barrier, which is
-// after every read of that counter (made in call N-2) has completed.
-__device__ int block_sum(Smem& s, int x) {
-  int32_t* sums = s.ctr + kCtrSum;
-  const int cur = s.sum_calls % 3;
-  ++s.sum_calls;
-  const int w = __reduce_add_sync(0xffffffffu, x);
-  if ((threadIdx.x & 31) == 0 && w != 0) atomicAdd(&sums[cur], w);
-  if (threadIdx.x == 0) sums[(cur + 1) % 3] = 0;
-  __syncthreads();
-  return sums[cur];
-}
-#endif
-
-// Per-row valid counts: `round` is this thread's count in one load round.
-// Batched rounds accumulate locally and reduce once per row (row_total);
-// single-entry rounds reduce every round with the hardware barrier count.
-__device__ __forceinline__ int round_count(int in_round) {
-#if HISPARSE_BATCHED
-  return in_round;
-#else
-  return __syncthreads_count(in_round);
-#endif
-}
-
-__device__ __forceinline__ int row_total(Smem& s, int count) {
-#if HISPARSE_BATCHED
-  return block_sum(s, count);
-#else
-  (void)s;
-  return count;
-#endif
-}
-
-// 16-bit atomic minimum (CAS loop): only duplicated keys in dgi, i.e.
-// corrupted state, ever contend here.
-__device__ __forceinline__ void atomic_min_u16(uint16_t* addr, uint16_t v) {
-  unsigned short old = *reinterpret_cast<volatile unsigned short*>(addr);
-  while (v < old) {
-    const unsigned short prev =
-        atomicCAS(reinterpret_cast<unsigned short*>(addr), old, v);
-    if (prev == old) break;
-    old = prev;
-  }
-}
 
 __device__ __forceinline__ uint32_t div_block(uint32_t x,
                                               const ResolveArgs& a) {
@@ -318,19 +319,19 @@ __device__ __forceinline__ int32_t checked_hma(int64_t block, int64_t offset,
   return id < 0 ? -1 : id;
 }
 
-// Rows of this CTA's union group; thread 0 counts, everyone reads after the
-// barrier. A run longer than q is counted in full so it can be rejected.
-__device__ int64_t group_rows(const ResolveArgs& a, int64_t num_rows,
-                              int64_t row0, int32_t req, const Smem& s) {
-  if (threadIdx.x == 0) {
-    int64_t n = 1;
-    while (row0 + n < num_rows && a.row_req[row0 + n] == req) ++n;
-    s.ctr[kCtrGroupRows] = static_cast<int32_t>(n);
-    s.ctr[kCtrTrips] = 0;
-    s.ctr[kCtrSum] = 0;
+// Sum over the block of popc(words[i]) for i < upto and for all i < nwords,
+// computed by one warp on its own (every warp calls it for its own `upto`).
+__device__ __forceinline__ void warp_word_sums(const unsigned* words,
+                                               int nwords, int upto, int lane,
+                                               int& before, int& total) {
+  int b = 0, t = 0;
+  for (int i = lane; i < nwords; i += 32) {
+    const int c = __popc(words[i]);
+    t += c;
+    b += i < upto ? c : 0;
   }
-  __syncthreads();
-  return s.ctr[kCtrGroupRows];
+  before = __reduce_add_sync(0xffffffffu, b);
+  total = __reduce_add_sync(0xffffffffu, t);
 }
 
 // Step 0 (INV-33): -1 everywhere, zero counts, no state touched.
@@ -348,151 +349,167 @@ __device__ void write_padding(const ResolveArgs& a, int64_t row0, int64_t n) {
   }
 }
 
-__device__ void init_hash(const Smem& s) {
-  for (int h = threadIdx.x; h < s.hash_size; h += kResolveThreads) {
-    s.hash_keys[h] = kEmptyKey;
-    s.hash_values[h] = INT32_MAX;
+// One load batch of phase 1: kEntryBatch top-k entries of one row per
+// thread and both table cells of each, all loads in flight together. The
+// table cells are read for any p >= 0 (range checked against the tables);
+// seq_len is applied afterwards, so these loads do not wait for it.
+struct EntryBatch {
+  int32_t p[kEntryBatch];
+  int32_t rb[kEntryBatch];
+  int32_t sb[kEntryBatch];
+};
+
+__device__ __forceinline__ void load_entries(const ResolveArgs& a, int32_t req,
+                                             int64_t row, int k0,
+                                             EntryBatch& b) {
+  const int K = static_cast<int>(a.top_k);
+  const int32_t* src_row = a.src_bt + req * a.src_width;
+  const int32_t* res_row = a.res_bt + req * a.res_width;
+#pragma unroll
+  for (int j = 0; j < kEntryBatch; ++j) {
+    const int k = k0 + j * kResolveThreads + threadIdx.x;
+    b.p[j] = k < K ? a.topk[row * a.top_k + k] : -1;
   }
-  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kEntryBatch; ++j) {
+    const uint32_t page =
+        b.p[j] >= 0 ? div_block(static_cast<uint32_t>(b.p[j]), a) : UINT32_MAX;
+    b.rb[j] = page < a.res_width ? res_row[page] : 0;
+    b.sb[j] = page < a.src_width ? src_row[page] : 0;
+  }
 }
 
 // Phase 1. Returns (block-uniformly) whether any entry is pending.
 __device__ bool classify_entries(const ResolveArgs& a, const Group& g,
-                                 Smem& s) {
-  const int32_t seq_len = a.seq_lens[g.req];
-  const int32_t* src_row = a.src_bt + g.req * a.src_width;
-  const int32_t* res_row = a.res_bt + g.req * a.res_width;
+                                 const Smem& s, const EntryBatch& first) {
   const int K = static_cast<int>(a.top_k);
   bool pending = false;
+  int created_keys = 0;
   for (int i = 0; i < g.n; ++i) {
     const int64_t e0 = (g.row0 + i) * a.top_k;
-    int valid_count = 0;
     for (int k0 = 0; k0 < K; k0 += kEntryBatch * kResolveThreads) {
-      int32_t p[kEntryBatch], rb[kEntryBatch], sb[kEntryBatch];
-      uint32_t page[kEntryBatch];
-#pragma unroll
-      for (int j = 0; j < kEntryBatch; ++j) {
-        const int k = k0 + j * kResolveThreads + threadIdx.x;
-        p[j] = k < K ? a.topk[e0 + k] : -1;
+      EntryBatch b;
+      if (i == 0 && k0 == 0) {
+        b = first;  // loaded before the start barrier
+      } else {
+        load_entries(a, g.req, g.row0 + i, k0, b);
       }
-#pragma unroll
-      for (int j = 0; j < kEntryBatch; ++j) {  // both tables, in parallel
-        const bool ok = p[j] >= 0 && p[j] < seq_len;
-        page[j] = ok ? div_block(static_cast<uint32_t>(p[j]), a) : UINT32_MAX;
-        rb[j] = page[j] < a.res_width ? res_row[page[j]] : 0;
-        sb[j] = page[j] < a.src_width ? src_row[page[j]] : 0;
-      }
-      int in_round = 0;
 #pragma unroll
       for (int j = 0; j < kEntryBatch; ++j) {
         const int k = k0 + j * kResolveThreads + threadIdx.x;
         if (k >= K) continue;
-        const uint32_t off = mod_block(static_cast<uint32_t>(p[j]), a);
         const int f = i * K + k;
+        const int32_t p = b.p[j];
+        uint32_t code = kCodeInvalid;
         int32_t out = -1;
-        uint16_t mark = kNoEntry;
-        if (page[j] == UINT32_MAX) {
-          // -1 or a position outside [0, seq_len)
-        } else if (rb[j] > 0) {
-          out = checked_hma(rb[j], off, a.attn_stride);
-        } else {
-          const int64_t key =
-              static_cast<int64_t>(sb[j]) * a.block_size + off;
-          if (sb[j] > 0 && key < a.host_rows) {
-            const int h = hash_insert(s, static_cast<int32_t>(key));
-            atomicMin(&s.hash_values[h], f);
-            out = -2 - h;  // marker, replaced in phase 7
-            mark = static_cast<uint16_t>(h);
-            pending = true;
+        if (p >= 0 && p < g.seq_len) {
+          const uint32_t off = mod_block(static_cast<uint32_t>(p), a);
+          if (b.rb[j] > 0) {
+            out = checked_hma(b.rb[j], off, a.attn_stride);
+            code = out >= 0 ? kCodeResident : kCodeInvalid;
+          } else {
+            const int64_t key =
+                static_cast<int64_t>(b.sb[j]) * a.block_size + off;
+            if (b.sb[j] > 0 && key < a.host_rows) {
+              bool created = false;
+              const int h = hash_insert(s, static_cast<int32_t>(key), created);
+              atomicMin(&s.hash_values[h], (kNone16 << 16) | f);
+              code = static_cast<uint32_t>(h);
+              pending = true;
+              if (created) {
+                ++created_keys;
+#if HISPARSE_MISS_FILTER
+                const FilterProbe fp =
+                    filter_probe(s, static_cast<int32_t>(key));
+                atomicOr(&s.filter[fp.word], fp.mask);
+#endif
+              }
+            }
           }
         }
-        s.entry_h[f] = mark;
-        a.out_rows[e0 + k] = out;
-        if (out >= -1) {
+        s.entry_code[f] = static_cast<uint16_t>(code);
+        if (code >= kCodeResident) {  // final now; pending ones in phase 5
+          a.out_rows[e0 + k] = out;
           if (a.miss_mask != nullptr) a.miss_mask[e0 + k] = 0;
           if (a.resolved_g != nullptr) a.resolved_g[e0 + k] = -1;
         }
-        in_round += out >= 0;
       }
-      valid_count += round_count(in_round);
     }
-    // Final when nothing is pending; phase 7 rewrites it otherwise.
-    const int total = row_total(s, valid_count);
-    if (threadIdx.x == 0) a.valid_counts[g.row0 + i] = total;
   }
+  const int w = __reduce_add_sync(0xffffffffu, created_keys);
+  if ((threadIdx.x & 31) == 0 && w != 0) atomicAdd(&s.ctr[kCtrUnion], w);
   return __syncthreads_or(pending) != 0;
 }
 
-// Phase 2. Union index u = rank of a key's first reference in flat order.
-// Returns |U|.
-__device__ int build_union(const ResolveArgs& a, const Group& g,
-                           const Smem& s) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int entries = static_cast<int>(g.n * a.top_k);
-  const int nwords = static_cast<int>(ceil_div(entries, 32));
-  for (int f0 = 0; f0 < entries; f0 += kResolveThreads) {
-    const int f = f0 + threadIdx.x;
-    bool first = false;
-    if (f < entries) {
-      const uint16_t h = s.entry_h[f];
-      first = h != kNoEntry && s.hash_values[h] == f;
+// Valid entries of a group with nothing pending, per row into filter[i]
+// (still all zero: nothing was inserted). Ends with a barrier.
+__device__ void count_resident(const ResolveArgs& a, const Group& g,
+                               const Smem& s) {
+  const int K = static_cast<int>(a.top_k);
+  for (int i = 0; i < g.n; ++i) {
+    int c = 0;
+    for (int k = threadIdx.x; k < K; k += kResolveThreads) {
+      c += s.entry_code[i * K + k] == kCodeResident;
     }
-    const unsigned bits = __ballot_sync(0xffffffffu, first);
-    const int w = (f0 >> 5) + warp;
-    if (lane == 0 && w < nwords) s.scan_a[w] = bits;
+    const int w = __reduce_add_sync(0xffffffffu, c);
+    if ((threadIdx.x & 31) == 0 && w != 0) {
+      atomicAdd(&s.filter[i], static_cast<uint32_t>(w));
+    }
   }
   __syncthreads();
-  if (warp == 0) {
-    const int total = warp_scan_words(s.scan_a, s.scan_b, nwords, lane);
-    if (lane == 0) s.ctr[kCtrUnion] = total;
-  }
-  __syncthreads();
-  for (int f = threadIdx.x; f < entries; f += kResolveThreads) {
-    const unsigned word = s.scan_a[f >> 5];
-    if (((word >> lane) & 1u) == 0) continue;
-    const int h = s.entry_h[f];
-    const int u = s.scan_b[f >> 5] + __popc(word & lane_mask_lt(lane));
-    s.union_keys[u] = s.hash_keys[h];
-    s.hash_values[h] = (u << 16) | f;
-    s.union_slots[u] = kNoSlot;
-  }
-  __syncthreads();
-  return s.ctr[kCtrUnion];
 }
 
-// Phase 2b. The scan arrays are free until phase 4: fill the filter.
-__device__ void build_filter(const Smem& s, int n_union) {
-#if HISPARSE_MISS_FILTER
-  const Filter f = make_filter(s);
-  const int words = 1 << (32 - 5 - f.shift);
-  for (int w = threadIdx.x; w < words; w += kResolveThreads) f.words[w] = 0;
-  __syncthreads();
-  for (int u = threadIdx.x; u < n_union; u += kResolveThreads) {
-    const uint32_t b = filter_bit(f, s.union_keys[u]);
-    atomicOr(&f.words[b >> 5], 1u << (b & 31));
+// Record a hit of the key in hash slot h at LRU position p: the smallest
+// position wins (CAS minimum on the high half). Returns true when the key
+// was already found elsewhere (corrupted state: a key in two slots).
+__device__ __forceinline__ bool record_hit(const Smem& s, int h, int p) {
+  uint32_t old = *reinterpret_cast<volatile uint32_t*>(&s.hash_values[h]);
+  bool dup = (old >> 16) != kNone16;
+  const uint32_t pos = static_cast<uint32_t>(p);
+  while ((old >> 16) > pos) {
+    const uint32_t prev =
+        atomicCAS(&s.hash_values[h], old, (pos << 16) | (old & 0xFFFFu));
+    if (prev == old) break;
+    old = prev;
+    dup = dup || (old >> 16) != kNone16;
   }
-  __syncthreads();
-#endif
+  return dup;
 }
 
-// Phase 3. lru_out[p] = union index hit at LRU position p, or -1, and the
-// first such position per key ends up in union_slots (tripwire 1: a slot
-// outside [0, H) is evictable and dgi is not read).
-__device__ void scan_lru(const ResolveArgs& a, const Group& g, const Smem& s) {
+// Positions of one warp: a contiguous run of `rounds` words (32 positions
+// each) starting at word warp*rounds; a word exists only below H.
+struct WarpRun {
+  int rounds;     // words per warp
+  int word0;      // first word of this warp
+  int nwords;     // words in the whole array
+};
+
+__device__ __forceinline__ WarpRun warp_run(int count, int warp) {
+  WarpRun r;
+  r.nwords = static_cast<int>(ceil_div(count, 32));
+  r.rounds = static_cast<int>(ceil_div(r.nwords, kResolveWarps));
+  r.word0 = warp * r.rounds;
+  return r;
+}
+
+// Phase 2. words_pos bit p = a union key was found at position p (tripwire
+// 1: a slot outside [0, H) is evictable and dgi is not read); the key's
+// hash value holds the smallest such position.
+__device__ void scan_lru(const ResolveArgs& a, const Group& g,
+                         const Smem& s) {
+  const int lane = threadIdx.x & 31;
   const int32_t H = a.hot_size;
   const int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
   const int32_t* dgi_row = a.dgi + static_cast<int64_t>(g.state) * H;
-#if HISPARSE_MISS_FILTER
-  const Filter filter = make_filter(s);
-#endif
-  for (int p0 = 0; p0 < H; p0 += kLruBatch * kResolveThreads) {
+  const WarpRun run = warp_run(H, threadIdx.x >> 5);
+  bool dup = false;
+  for (int j0 = 0; j0 < run.rounds; j0 += kLruBatch) {
     int slot[kLruBatch];
     int32_t cached[kLruBatch];
 #pragma unroll
     for (int j = 0; j < kLruBatch; ++j) {
-      const int p = p0 + j * kResolveThreads + threadIdx.x;
-      slot[j] = p < H ? lru_row[p] : -1;
+      const int p = (run.word0 + j0 + j) * 32 + lane;
+      slot[j] = (j0 + j < run.rounds && p < H) ? lru_row[p] : -1;
     }
 #pragma unroll
     for (int j = 0; j < kLruBatch; ++j) {
@@ -500,245 +517,294 @@ __device__ void scan_lru(const ResolveArgs& a, const Group& g, const Smem& s) {
     }
 #pragma unroll
     for (int j = 0; j < kLruBatch; ++j) {
-      const int p = p0 + j * kResolveThreads + threadIdx.x;
-      if (p >= H) continue;
-      int16_t u = -1;
+      if (j0 + j >= run.rounds) break;  // warp-uniform
+      const int pb = (run.word0 + j0 + j) * 32;
+      bool found = false;
       bool look = cached[j] >= 0;
 #if HISPARSE_MISS_FILTER
-      look = look && filter_may_hold(filter, cached[j]);
+      if (look) {
+        const FilterProbe fp = filter_probe(s, cached[j]);
+        look = (s.filter[fp.word] & fp.mask) == fp.mask;
+      }
 #endif
       if (look) {
         const int h = hash_find(s, cached[j]);
         if (h >= 0) {
-          u = static_cast<int16_t>(s.hash_values[h] >> 16);
-#if HISPARSE_HIT_ATOMIC
-          atomic_min_u16(&s.union_slots[u], static_cast<uint16_t>(p));
-#else
-          s.union_slots[u] = static_cast<uint16_t>(p);  // any writer wins
-#endif
+          found = true;
+          dup = record_hit(s, h, pb + lane) || dup;
         }
       }
-      s.lru_out[p] = u;
+      const unsigned bits = __ballot_sync(0xffffffffu, found);
+      if (lane == 0 && pb < H) s.words_pos[pb >> 5] = bits;
     }
   }
-  __syncthreads();
-#if !HISPARSE_HIT_ATOMIC
-  // A key held by two slots (corrupted state only) had several writers:
-  // keep the earliest position, as spec 5.1 step 3 requires.
-  for (int p = threadIdx.x; p < H; p += kResolveThreads) {
-    const int u = s.lru_out[p];
-    if (u >= 0 && p < s.union_slots[u]) {
-      atomic_min_u16(&s.union_slots[u], static_cast<uint16_t>(p));
-    }
-  }
-  __syncthreads();
-#endif
+  if (dup) atomicOr(&s.ctr[kCtrDup], 1);
 }
 
-// Phase 4. scan_a bit p = "position p is a hit"; scan_b = hits before each
-// word. Returns |Hl|.
-__device__ int rank_hits(const ResolveArgs& a, const Smem& s) {
+// Corrupted state only (a key held by two slots): a position is a hit only
+// if it is its key's smallest position. Recomputes words_pos, then a barrier.
+__device__ void rescan_first_hits(const ResolveArgs& a, const Group& g,
+                                  const Smem& s) {
+  const int lane = threadIdx.x & 31;
+  const int32_t H = a.hot_size;
+  const int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
+  const int32_t* dgi_row = a.dgi + static_cast<int64_t>(g.state) * H;
+  const WarpRun run = warp_run(H, threadIdx.x >> 5);
+  for (int j = 0; j < run.rounds; ++j) {
+    const int pb = (run.word0 + j) * 32;
+    const int p = pb + lane;
+    bool hit = false;
+    if (p < H) {
+      const int slot = lru_row[p];
+      if (slot >= 0 && slot < H) {
+        const int32_t c = dgi_row[slot];
+        if (c >= 0) {
+          const int h = hash_find(s, c);
+          hit = h >= 0 && (s.hash_values[h] >> 16) == static_cast<uint32_t>(p);
+        }
+      }
+    }
+    const unsigned bits = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0 && pb < H) s.words_pos[pb >> 5] = bits;
+  }
+  __syncthreads();
+}
+
+struct Totals {
+  int n_union;
+  int n_hits;
+  int n_miss;
+  int n_evict;
+};
+
+// Phase 3 (INV-35). Evictable of rank i goes to i - |M| (untouched) or to
+// |E| - |M| + i (refilled), hit of rank j to |E| + j. Then words_ent bit f =
+// flat entry f is the first reference of a key without a hit.
+__device__ Totals reorder_lru(const ResolveArgs& a, const Group& g,
+                              const Smem& s) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int32_t H = a.hot_size;
-  const int nwords = static_cast<int>(ceil_div(H, 32));
-  for (int p0 = 0; p0 < H; p0 += kResolveThreads) {
-    const int p = p0 + threadIdx.x;
-    bool hit = false;
-    if (p < H) {
-      const int u = s.lru_out[p];
-      hit = u >= 0 && s.union_slots[u] == p;
-    }
-    const unsigned bits = __ballot_sync(0xffffffffu, hit);
-    const int w = (p0 >> 5) + warp;
-    if (lane == 0 && w < nwords) s.scan_a[w] = bits;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const int total = warp_scan_words(s.scan_a, s.scan_b, nwords, lane);
-    if (lane == 0) s.ctr[kCtrHits] = total;
-  }
-  __syncthreads();
-  return s.ctr[kCtrHits];
-}
-
-// Phase 5 (INV-35). Evictable of rank i goes to i - |M| (untouched) or to
-// |E| - |M| + i (refilled), hit of rank j to |E| + j.
-__device__ void reorder_lru(const ResolveArgs& a, const Group& g,
-                            const Smem& s, int n_hits, int n_miss) {
-  const int32_t H = a.hot_size;
-  const int n_evict = H - n_hits;
   const int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
-  for (int p0 = 0; p0 < H; p0 += kLruBatch * kResolveThreads) {
+  const WarpRun run = warp_run(H, warp);
+  int hits_before;
+  Totals t;
+  warp_word_sums(s.words_pos, run.nwords, run.word0, lane, hits_before,
+                 t.n_hits);
+  t.n_union = s.ctr[kCtrUnion];
+  t.n_miss = t.n_union - t.n_hits;
+  t.n_evict = H - t.n_hits;
+  int carry = hits_before;
+  for (int j0 = 0; j0 < run.rounds; j0 += kLruBatch) {
     int16_t slot[kLruBatch];
 #pragma unroll
     for (int j = 0; j < kLruBatch; ++j) {
-      const int p = p0 + j * kResolveThreads + threadIdx.x;
-      slot[j] = p < H ? lru_row[p] : 0;
+      const int p = (run.word0 + j0 + j) * 32 + lane;
+      slot[j] = (j0 + j < run.rounds && p < H) ? lru_row[p] : 0;
     }
 #pragma unroll
     for (int j = 0; j < kLruBatch; ++j) {
-      const int p = p0 + j * kResolveThreads + threadIdx.x;
-      if (p >= H) continue;
-      const unsigned word = s.scan_a[p >> 5];
-      const int bit = p & 31;
-      const int hit_rank =
-          s.scan_b[p >> 5] + __popc(word & lane_mask_lt(bit));
-      int dst;
-      if ((word >> bit) & 1u) {
-        dst = n_evict + hit_rank;
-      } else {
-        const int ev_rank = p - hit_rank;
-        dst = ev_rank >= n_miss ? ev_rank - n_miss
-                                : n_evict - n_miss + ev_rank;
+      if (j0 + j >= run.rounds) break;  // warp-uniform
+      const int pb = (run.word0 + j0 + j) * 32;
+      if (pb >= H) break;
+      const unsigned word = s.words_pos[pb >> 5];
+      const int p = pb + lane;
+      if (p < H) {
+        const int hit_rank = carry + __popc(word & lane_mask_lt(lane));
+        int dst;
+        if ((word >> lane) & 1u) {
+          dst = t.n_evict + hit_rank;
+        } else {
+          const int ev_rank = p - hit_rank;
+          dst = ev_rank >= t.n_miss ? ev_rank - t.n_miss
+                                    : t.n_evict - t.n_miss + ev_rank;
+        }
+        s.lru_out[dst] = slot[j];
       }
-      s.lru_out[dst] = slot[j];
+      carry += __popc(word);
     }
   }
-  __syncthreads();
+
+  const int entries = g.n * static_cast<int>(a.top_k);
+  const WarpRun er = warp_run(entries, warp);
+  for (int j = 0; j < er.rounds; ++j) {
+    const int fb = (er.word0 + j) * 32;
+    if (fb >= entries) break;  // warp-uniform
+    const int f = fb + lane;
+    bool first_miss = false;
+    if (f < entries) {
+      const uint32_t code = s.entry_code[f];
+      if (code < kCodeResident) {
+        const uint32_t v = s.hash_values[code];
+        first_miss = (v & kFirstMask) == static_cast<uint32_t>(f) &&
+                     (v >> 16) == kNone16;
+      }
+    }
+    const unsigned bits = __ballot_sync(0xffffffffu, first_miss);
+    if (lane == 0) s.words_ent[fb >> 5] = bits;
+  }
+  // The filter is dead: its first n words become the per-row valid counts.
+  for (int i = threadIdx.x; i < g.n; i += kResolveThreads) s.filter[i] = 0;
+  return t;
 }
 
-// Phase 6 (INV-36/37). Miss m (U order) takes victim E[m], which phase 5 put
-// at lru_out[|E| - |M| + m]. Afterwards union_slots[u] is u's slot (kNoSlot
-// when tripped) and union_keys[u] is 1 for a miss, 0 for a hit.
+// Phase 4 (INV-36/37). Miss m (U order = flat order of first references;
+// words_ent marks them) takes victim E[m], which phase 3 put at
+// lru_out[|E| - |M| + m]. Only those entries touch a hash value here (their
+// own key's), so no thread reads a value another thread writes. Afterwards a
+// missed key's value holds (slot, or kNone16 when tripped) << 16 | miss bit
+// | first flat index; a hit key's still holds its first position.
 __device__ void assign_misses(const ResolveArgs& a, const Group& g,
-                              const Smem& s, int n_union, int n_hits,
-                              int n_miss) {
+                              const Smem& s, const Totals& t) {
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   const int32_t H = a.hot_size;
-  const int nwords = static_cast<int>(ceil_div(n_union, 32));
-  for (int u0 = 0; u0 < n_union; u0 += kResolveThreads) {
-    const int u = u0 + threadIdx.x;
-    const bool miss = u < n_union && s.union_slots[u] == kNoSlot;
-    const unsigned bits = __ballot_sync(0xffffffffu, miss);
-    const int w = (u0 >> 5) + warp;
-    if (lane == 0 && w < nwords) s.scan_a[w] = bits;
-  }
-  __syncthreads();
-  if (warp == 0) warp_scan_words(s.scan_a, s.scan_b, nwords, lane);
-  __syncthreads();
-
-  const int n_evict = H - n_hits;
-  const int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
   int32_t* dgi_row = a.dgi + static_cast<int64_t>(g.state) * H;
   const int32_t* hot_row = a.hot_bt + g.req * a.hot_width;
-  for (int u = threadIdx.x; u < n_union; u += kResolveThreads) {
-    const unsigned word = s.scan_a[u >> 5];
-    const int bit = u & 31;
-    if (((word >> bit) & 1u) == 0) {  // hit: slot at its first hit position
-      s.union_slots[u] = static_cast<uint16_t>(lru_row[s.union_slots[u]]);
-      s.union_keys[u] = 0;
-      continue;
+  const int entries = g.n * static_cast<int>(a.top_k);
+  const WarpRun er = warp_run(entries, threadIdx.x >> 5);
+  int carry, total;
+  warp_word_sums(s.words_ent, er.nwords, er.word0, lane, carry, total);
+  for (int j = 0; j < er.rounds; ++j) {
+    const int fb = (er.word0 + j) * 32;
+    if (fb >= entries) break;  // warp-uniform
+    const unsigned word = s.words_ent[fb >> 5];
+    if ((word >> lane) & 1u) {
+      const uint32_t f = static_cast<uint32_t>(fb + lane);
+      const uint32_t code = s.entry_code[f];
+      const int m = carry + __popc(word & lane_mask_lt(lane));
+      const int slot = s.lru_out[t.n_evict - t.n_miss + m];
+      const int32_t key = s.hash_keys[code];
+      const int64_t pe = g.row0 * a.top_k + m;  // row0 + m/K, col m%K
+      a.plan_src[pe] = key;
+      uint32_t v;
+      if (slot >= 0 && slot < H) {
+        dgi_row[slot] = key;
+        const uint32_t us = static_cast<uint32_t>(slot);
+        a.plan_dst[pe] = static_cast<int32_t>(
+            static_cast<int64_t>(hot_row[div_block(us, a)]) * a.block_size +
+            mod_block(us, a));
+        v = (us << 16) | kMissBit | f;
+      } else {  // tripwire 2: never index dgi or the hot cache with it
+        a.plan_dst[pe] = -1;
+        v = (kNone16 << 16) | kMissBit | f;
+        atomicAdd(&s.ctr[kCtrTrips], 1);
+      }
+      s.hash_values[code] = v;
     }
-    const int m = s.scan_b[u >> 5] + __popc(word & lane_mask_lt(bit));
-    const int slot = s.lru_out[n_evict - n_miss + m];
-    const int32_t key = s.union_keys[u];
-    const int64_t pe = g.row0 * a.top_k + m;  // row row0 + m/K, col m%K
-    a.plan_src[pe] = key;
-    if (slot >= 0 && slot < H) {
-      dgi_row[slot] = key;
-      const uint32_t us = static_cast<uint32_t>(slot);
-      a.plan_dst[pe] = static_cast<int32_t>(
-          static_cast<int64_t>(hot_row[div_block(us, a)]) * a.block_size +
-          mod_block(us, a));
-      s.union_slots[u] = static_cast<uint16_t>(slot);
-    } else {  // tripwire 2: never index dgi or the hot cache with it
-      a.plan_dst[pe] = -1;
-      s.union_slots[u] = kNoSlot;
-      atomicAdd(&s.ctr[kCtrTrips], 1);
+    carry += __popc(word);
+  }
+}
+
+// Phase 5. Pending entries get their hot-row ids (a hit's slot is the old
+// lru row at its first position, which is why the new row is stored only
+// after the final barrier); per-row valid counts into filter[i]. Ends with
+// a barrier (B5).
+__device__ void emit_entries(const ResolveArgs& a, const Group& g,
+                             const Smem& s, const Totals& t) {
+  const int32_t H = a.hot_size;
+  const int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
+  for (int64_t i = threadIdx.x; i < g.n; i += kResolveThreads) {
+    const int64_t left = static_cast<int64_t>(t.n_miss) - i * a.top_k;
+    a.plan_count[g.row0 + i] =
+        static_cast<int32_t>(left < 0 ? 0 : (left > a.top_k ? a.top_k : left));
+  }
+  const int32_t* hot_row = a.hot_bt + g.req * a.hot_width;
+  const int K = static_cast<int>(a.top_k);
+  for (int i = 0; i < g.n; ++i) {
+    const int64_t e0 = (g.row0 + i) * a.top_k;
+    int count = 0;
+    for (int k0 = 0; k0 < K; k0 += kEntryBatch * kResolveThreads) {
+      uint32_t code[kEntryBatch], v[kEntryBatch], slot[kEntryBatch];
+      int32_t block[kEntryBatch];
+#pragma unroll
+      for (int j = 0; j < kEntryBatch; ++j) {  // slots of hits, in parallel
+        const int k = k0 + j * kResolveThreads + threadIdx.x;
+        code[j] = k < K ? s.entry_code[i * K + k] : kCodeInvalid;
+        v[j] = code[j] < kCodeResident ? s.hash_values[code[j]] : 0u;
+        slot[j] = kNone16;
+        if (code[j] < kCodeResident) {
+          slot[j] = (v[j] & kMissBit) != 0
+                        ? v[j] >> 16
+                        : static_cast<uint16_t>(lru_row[v[j] >> 16]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kEntryBatch; ++j) {  // hot blocks, in parallel
+        block[j] = slot[j] != kNone16 ? hot_row[div_block(slot[j], a)] : 0;
+      }
+#pragma unroll
+      for (int j = 0; j < kEntryBatch; ++j) {
+        const int k = k0 + j * kResolveThreads + threadIdx.x;
+        if (k >= K) continue;
+        if (code[j] >= kCodeResident) {
+          count += code[j] == kCodeResident;
+          continue;
+        }
+        int32_t out = -1, key = -1, miss = 0;
+        if (slot[j] != kNone16) {
+          out = checked_hma(block[j], mod_block(slot[j], a), a.attn_stride);
+          key = s.hash_keys[code[j]];
+          miss = (v[j] & kMissBit) != 0 &&
+                 (v[j] & kFirstMask) == static_cast<uint32_t>(i * K + k);
+        }
+        a.out_rows[e0 + k] = out;
+        if (a.miss_mask != nullptr) a.miss_mask[e0 + k] = miss;
+        if (a.resolved_g != nullptr) a.resolved_g[e0 + k] = key;
+        count += out >= 0;
+      }
     }
-    s.union_keys[u] = 1;
+    const int w = __reduce_add_sync(0xffffffffu, count);
+    if ((threadIdx.x & 31) == 0 && w != 0) {
+      atomicAdd(&s.filter[i], static_cast<uint32_t>(w));
+    }
   }
   __syncthreads();
 }
 
-__device__ void store_state(const ResolveArgs& a, const Group& g,
-                            const Smem& s, int n_miss) {
+// After B5: the new lru row, the valid counts, the counters.
+__device__ void finish_group(const ResolveArgs& a, const Group& g,
+                             const Smem& s, const Totals& t) {
   const int32_t H = a.hot_size;
   int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
   for (int p = threadIdx.x; p < H; p += kResolveThreads) {
     lru_row[p] = s.lru_out[p];
   }
-  for (int64_t i = threadIdx.x; i < g.n; i += kResolveThreads) {
-    const int64_t left = static_cast<int64_t>(n_miss) - i * a.top_k;
-    a.plan_count[g.row0 + i] =
-        static_cast<int32_t>(left < 0 ? 0 : (left > a.top_k ? a.top_k : left));
+  for (int i = threadIdx.x; i < g.n; i += kResolveThreads) {
+    a.valid_counts[g.row0 + i] = static_cast<int32_t>(s.filter[i]);
   }
-}
-
-// Phase 7. Markers become hot-row ids; valid_counts are recounted.
-__device__ void emit_entries(const ResolveArgs& a, const Group& g, Smem& s) {
-  const int32_t* hot_row = a.hot_bt + g.req * a.hot_width;
-  const int K = static_cast<int>(a.top_k);
-  for (int i = 0; i < g.n; ++i) {
-    const int64_t e0 = (g.row0 + i) * a.top_k;
-    int valid_count = 0;
-    for (int k0 = 0; k0 < K; k0 += kEntryBatch * kResolveThreads) {
-      int32_t v[kEntryBatch], block[kEntryBatch];
-      int slot[kEntryBatch];
-#pragma unroll
-      for (int j = 0; j < kEntryBatch; ++j) {
-        const int k = k0 + j * kResolveThreads + threadIdx.x;
-        v[j] = k < K ? a.out_rows[e0 + k] : -1;
-      }
-#pragma unroll
-      for (int j = 0; j < kEntryBatch; ++j) {  // hot blocks, in parallel
-        slot[j] = kNoSlot;
-        if (v[j] <= -2) slot[j] = s.union_slots[s.hash_values[-2 - v[j]] >> 16];
-        block[j] = slot[j] != kNoSlot
-                       ? hot_row[div_block(static_cast<uint32_t>(slot[j]), a)]
-                       : 0;
-      }
-      int in_round = 0;
-#pragma unroll
-      for (int j = 0; j < kEntryBatch; ++j) {
-        const int k = k0 + j * kResolveThreads + threadIdx.x;
-        if (k >= K) continue;
-        if (v[j] > -2) {
-          in_round += v[j] >= 0;
-          continue;
-        }
-        const int h = -2 - v[j];
-        const int32_t packed = s.hash_values[h];
-        int32_t out = -1, key = -1, miss = 0;
-        if (slot[j] != kNoSlot) {
-          out = checked_hma(block[j],
-                            mod_block(static_cast<uint32_t>(slot[j]), a),
-                            a.attn_stride);
-          key = s.hash_keys[h];
-          miss = s.union_keys[packed >> 16] == 1 &&
-                 (packed & 0xFFFF) == i * K + k;
-        }
-        a.out_rows[e0 + k] = out;
-        if (a.miss_mask != nullptr) a.miss_mask[e0 + k] = miss;
-        if (a.resolved_g != nullptr) a.resolved_g[e0 + k] = key;
-        in_round += out >= 0;
-      }
-      valid_count += round_count(in_round);
-    }
-    const int total = row_total(s, valid_count);
-    if (threadIdx.x == 0) a.valid_counts[g.row0 + i] = total;
-  }
-}
-
-__device__ void add_stats(const ResolveArgs& a, const Smem& s, int n_hits,
-                          int n_miss) {
   if (threadIdx.x != 0 || a.stats == nullptr) return;
-  atomicAdd(&a.stats[0], static_cast<unsigned long long>(n_hits));
-  atomicAdd(&a.stats[1], static_cast<unsigned long long>(n_miss));
+  atomicAdd(&a.stats[0], static_cast<unsigned long long>(t.n_hits));
+  atomicAdd(&a.stats[1], static_cast<unsigned long long>(t.n_miss));
   if (a.stats_len >= 3) {
     atomicAdd(&a.stats[2], static_cast<unsigned long long>(s.ctr[kCtrTrips]));
   }
 }
 
-__global__ void __launch_bounds__(kResolveThreads, 1)
+#if HISPARSE_PHASE_CLOCK
+#define PHASE_MARK(i) \
+  if (threadIdx.x == 0) clk[i] = clock64()
+#else
+#define PHASE_MARK(i) \
+  do {                \
+  } while (0)
+#endif
+
+__global__ void __launch_bounds__(kResolveThreads, HISPARSE_MIN_BLOCKS)
     resolve_residency_kernel(const ResolveArgs a, const int64_t num_rows) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem s = carve_smem(smem_raw, a.layout);
+#if HISPARSE_PHASE_CLOCK
+  long long clk[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#endif
+  PHASE_MARK(0);
+  const Smem s = carve_smem(smem_raw, a.layout);
+  const int lane = threadIdx.x & 31;
   const int64_t row = blockIdx.x;
   const int32_t req = a.row_req[row];
+  // The first entries and their table cells load while the block decides
+  // what the row is (wasted only on padding and follower rows).
   const bool req_ok = req >= 0 && req < a.num_reqs;
+  EntryBatch first{};
+  if (req_ok) load_entries(a, req, row, 0, first);
   // Not the first row of its union group: the first row's CTA owns it.
   if (req_ok && row > 0 && a.row_req[row - 1] == req) return;
   if (!req_ok) {
@@ -748,37 +814,83 @@ __global__ void __launch_bounds__(kResolveThreads, 1)
   Group g;
   g.row0 = row;
   g.req = req;
-  g.state = a.req_state[req];  // load overlaps the group-size barrier
-  g.n = group_rows(a, num_rows, row, req, s);
+  g.state = a.req_state[req];
+  g.seq_len = a.seq_lens[req];
+
+  // Shared-memory init, overlapping the loads above.
+  {
+    int4* hk = reinterpret_cast<int4*>(s.hash_keys);
+    uint4* hv = reinterpret_cast<uint4*>(s.hash_values);
+    for (int i = threadIdx.x; i < s.hash_size / 4; i += kResolveThreads) {
+      hk[i] = make_int4(kEmptyKey, kEmptyKey, kEmptyKey, kEmptyKey);
+      hv[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+    }
+    for (int i = threadIdx.x; i < s.union_max; i += kResolveThreads) {
+      s.filter[i] = 0;
+    }
+    if (threadIdx.x < 8) s.ctr[threadIdx.x] = 0;
+  }
+  // Rows of the union group: warp 0 compares 32 rows per step. A run longer
+  // than q is counted in full so it can be rejected.
+  if (threadIdx.x < 32) {
+    int64_t n = 1;
+    while (true) {
+      const int64_t r = row + n + lane;
+      const bool same = r < num_rows && a.row_req[r] == req;
+      const unsigned run = ~__ballot_sync(0xffffffffu, same);
+      const int len = run == 0 ? 32 : __ffs(run) - 1;
+      n += len;
+      if (len < 32) break;
+    }
+    if (lane == 0) s.ctr[kCtrGroupRows] = static_cast<int32_t>(n);
+  }
+  __syncthreads();  // B0
+  PHASE_MARK(1);
+  const int64_t n_rows = s.ctr[kCtrGroupRows];
   if (g.state < 0 || g.state >= a.num_states) {
-    write_padding(a, g.row0, g.n);
+    write_padding(a, g.row0, n_rows);
     return;
   }
-  if (g.n > a.max_query_len) {  // caller broke the q-row contract
-    write_padding(a, g.row0, g.n);
+  if (n_rows > a.max_query_len) {  // caller broke the q-row contract
+    write_padding(a, g.row0, n_rows);
     if (threadIdx.x == 0 && a.stats != nullptr && a.stats_len >= 4) {
-      atomicAdd(&a.stats[3], static_cast<unsigned long long>(g.n));
+      atomicAdd(&a.stats[3], static_cast<unsigned long long>(n_rows));
     }
     return;
   }
+  g.n = static_cast<int32_t>(n_rows);
 
-  init_hash(s);
-  if (!classify_entries(a, g, s)) {  // resident short-circuit (INV-34)
-    for (int64_t i = threadIdx.x; i < g.n; i += kResolveThreads) {
+  if (!classify_entries(a, g, s, first)) {  // B1; resident short-circuit
+    count_resident(a, g, s);
+    for (int i = threadIdx.x; i < g.n; i += kResolveThreads) {
+      a.valid_counts[g.row0 + i] = static_cast<int32_t>(s.filter[i]);
       a.plan_count[g.row0 + i] = 0;
     }
-    return;
+    return;  // INV-34: dgi and lru untouched
   }
-  const int n_union = build_union(a, g, s);
-  build_filter(s, n_union);
+  PHASE_MARK(2);
   scan_lru(a, g, s);
-  const int n_hits = rank_hits(a, s);
-  const int n_miss = n_union - n_hits;
-  reorder_lru(a, g, s, n_hits, n_miss);
-  assign_misses(a, g, s, n_union, n_hits, n_miss);
-  store_state(a, g, s, n_miss);
-  emit_entries(a, g, s);
-  add_stats(a, s, n_hits, n_miss);
+  __syncthreads();  // B2
+  if (s.ctr[kCtrDup] != 0) rescan_first_hits(a, g, s);
+  PHASE_MARK(3);
+  const Totals t = reorder_lru(a, g, s);
+  __syncthreads();  // B3
+  PHASE_MARK(4);
+  assign_misses(a, g, s, t);
+  __syncthreads();  // B4
+  PHASE_MARK(5);
+  emit_entries(a, g, s, t);  // ends with B5
+  PHASE_MARK(6);
+  finish_group(a, g, s, t);
+#if HISPARSE_PHASE_CLOCK
+  if (threadIdx.x == 0) {
+    printf("phase_clock row %lld start %lld classify %lld scan %lld "
+           "reorder %lld assign %lld emit %lld total %lld\n",
+           static_cast<long long>(row), clk[1] - clk[0], clk[2] - clk[1],
+           clk[3] - clk[2], clk[4] - clk[3], clk[5] - clk[4],
+           clk[6] - clk[5], clk[6] - clk[0]);
+  }
+#endif
 }
 
 // Raise the kernel's dynamic shared-memory limit once per device as needed.

@@ -13,6 +13,7 @@ from collections import namedtuple
 import psutil
 import pytest
 
+from tests.hisparse.layout.hs_layout_builders import write_sparse_mla_config
 from vllm.config import AttentionConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.config.hisparse import HiSparseConfig
 from vllm.v1.hisparse import config_checks as cc
@@ -260,37 +261,7 @@ def test_host_pool_gib_resolution():
 
 @pytest.fixture(scope="module")
 def sparse_model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("dsv32")
-    config = {
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "hidden_size": 1024,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "kv_lora_rank": 512,
-        "q_lora_rank": 256,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "index_topk": 256,
-        "index_head_dim": 128,
-        "index_n_heads": 8,
-        "vocab_size": 8192,
-        "max_position_embeddings": 16384,
-        "intermediate_size": 2048,
-        "moe_intermediate_size": 256,
-        "n_routed_experts": 16,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "torch_dtype": "bfloat16",
-        "rope_theta": 10000,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    return str(directory)
+    return write_sparse_mla_config(tmp_path_factory.mktemp("dsv32"), num_layers=2)
 
 
 def vllm_config_for(model: str, hisparse: dict | None) -> VllmConfig:

@@ -47,17 +47,32 @@
 // barrier use plain shared loads (only inserts need volatile ones).
 // Measured per phase (run 5, batch 64, all-hit, median CTA): start 1.7 us,
 // classify 9.5, scan 5.5, reorder 1.8, assign 0.6, emit 1.2: the hash
-// inserts and the hit lookups (shared-memory atomics and probes), not the
-// passes or barriers, are what is left.
+// inserts and the hit lookups, not the passes or barriers, are what is
+// left. Run 6 showed it is not the number of shared atomics: taking 4,000
+// of the 6,300 classify atomics and all 2,048 scan CASes out (the
+// SCAN_PLAIN / FIRST_PLAIN / MISS_FILTER=0 switches below) left all-hit
+// within -0.7..+0.8 us, while classify still varies 7.5-14 us between CTAs
+// doing the same 2,048 inserts (the launch waits for the slowest CTA).
 //
-// Tuning switches (defaults chosen by measurement on an H200, run 5 in
-// results/kernels/README.md):
+// Tuning switches (defaults chosen by measurement on an H200, runs 5 and 6
+// in results/kernels/README.md):
 //   HISPARSE_HASH_HIGH    home slot = the spec's product mod Hs (0), or the
 //                         high bits of the product scaled to Hs (1: measured
 //                         equal, probe chains are short either way)
 //   HISPARSE_PROBE_VEC4   probe four slots per 16-byte shared load
-//   HISPARSE_MISS_FILTER  Bloom filter (2 bits per key in one word, 32 bits
-//                         per union entry) in front of the dgi lookups
+//   HISPARSE_MISS_FILTER  1: Bloom filter (2 bits per key in one word, 32
+//                         bits per union entry, atomic OR) in front of the
+//                         dgi lookups; 0: none (all-hit -0.7 us, 10% misses
+//                         +2.8 us, 100% misses +9 us); 2: byte flags set by
+//                         plain stores (~22% false positives; slower)
+//   HISPARSE_SCAN_PLAIN   1: the scan stores a hit's position with a plain
+//                         16-bit store (no CAS); a key at two positions
+//                         (corrupted state) is caught after B3 and resolved
+//                         by a CAS rescan (measured +0.5 us, default 0)
+//   HISPARSE_FIRST_PLAIN  1: the creating thread stores a key's first flat
+//                         index plainly; keys referenced twice merge after
+//                         B1 (one extra barrier then; measured no faster,
+//                         default 0)
 //   HISPARSE_MIN_BLOCKS   CTAs per SM the register allocation must allow
 //                         (2 caps registers at 32: batch > #SMs in one wave)
 //   HISPARSE_PHASE_CLOCK  instrumentation only: thread 0 of every CTA prints
@@ -75,6 +90,12 @@
 #endif
 #ifndef HISPARSE_MISS_FILTER
 #define HISPARSE_MISS_FILTER 1
+#endif
+#ifndef HISPARSE_SCAN_PLAIN
+#define HISPARSE_SCAN_PLAIN 0
+#endif
+#ifndef HISPARSE_FIRST_PLAIN
+#define HISPARSE_FIRST_PLAIN 0
 #endif
 #ifndef HISPARSE_MIN_BLOCKS
 #define HISPARSE_MIN_BLOCKS 1
@@ -108,6 +129,8 @@ enum Counter : int {
   kCtrUnion,  // |U|
   kCtrTrips,  // tripped misses
   kCtrDup,    // a key was found at two LRU positions (corrupted state)
+  kCtrMissKeys,  // HISPARSE_SCAN_PLAIN: keys without a hit (entry ballot)
+  kCtrDupRefs,   // HISPARSE_FIRST_PLAIN: a key is referenced twice
 };
 
 struct ResolveArgs {
@@ -274,12 +297,42 @@ __device__ __forceinline__ int hash_insert(const Smem& s, int32_t key,
 
 // Lookup after the inserts' barrier: plain loads. The table never fills
 // (|U| <= Umax < Hs), so a probe always ends.
+#if HISPARSE_SCAN_PLAIN && HISPARSE_PROBE_VEC4
+// The probe's own loads decide found / not found (no second read of the
+// slot's key).
+__device__ __forceinline__ int hash_find(const Smem& s, int32_t key) {
+  const int h = hash_home(key, s.hash_size);
+  int base = h & ~3;
+  int first = h & 3;
+  while (true) {
+    const int4 v = load_keys4<false>(s.hash_keys, base);
+    const int32_t k[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j >= first && k[j] == key) return base + j;
+      if (j >= first && k[j] == kEmptyKey) return -1;
+    }
+    first = 0;
+    base = (base + 4 == s.hash_size) ? 0 : base + 4;
+  }
+}
+#else
 __device__ __forceinline__ int hash_find(const Smem& s, int32_t key) {
   const int h = probe<false>(s, key, hash_home(key, s.hash_size));
   return s.hash_keys[h] == key ? h : -1;
 }
+#endif
 
-#if HISPARSE_MISS_FILTER
+#if HISPARSE_MISS_FILTER == 2
+// Byte-flag filter over the union keys: one byte of the 4*Umax-byte array
+// per key, set with a plain store (every writer stores the same 1, so no
+// atomic is needed): ~22% false positives at |U| = Umax.
+__device__ __forceinline__ int filter_byte(const Smem& s, int32_t key) {
+  const uint32_t x = static_cast<uint32_t>(key) * 0x9E3779B1u;
+  return static_cast<int>(
+      __umulhi(x, 4u * static_cast<uint32_t>(s.union_max)));
+}
+#elif HISPARSE_MISS_FILTER
 // Bloom filter over the union keys: one word of the Umax-word array per key
 // (high bits of a second multiplicative hash), two bits in it. 32 bits per
 // possible union entry: ~0.7% false positives at |U| = Umax.
@@ -385,6 +438,9 @@ __device__ bool classify_entries(const ResolveArgs& a, const Group& g,
   const int K = static_cast<int>(a.top_k);
   bool pending = false;
   int created_keys = 0;
+#if HISPARSE_FIRST_PLAIN
+  bool dup_refs = false;
+#endif
   for (int i = 0; i < g.n; ++i) {
     const int64_t e0 = (g.row0 + i) * a.top_k;
     for (int k0 = 0; k0 < K; k0 += kEntryBatch * kResolveThreads) {
@@ -413,12 +469,27 @@ __device__ bool classify_entries(const ResolveArgs& a, const Group& g,
             if (b.sb[j] > 0 && key < a.host_rows) {
               bool created = false;
               const int h = hash_insert(s, static_cast<int32_t>(key), created);
+#if HISPARSE_FIRST_PLAIN
+              // The creating thread stores the first flat index plainly;
+              // other references of the key merge after the barrier
+              // (merge_first_refs), so a key referenced once costs no
+              // atomic here.
+              if (created) {
+                s.hash_values[h] = (kNone16 << 16) | f;
+              } else {
+                dup_refs = true;
+              }
+#else
               atomicMin(&s.hash_values[h], (kNone16 << 16) | f);
+#endif
               code = static_cast<uint32_t>(h);
               pending = true;
               if (created) {
                 ++created_keys;
-#if HISPARSE_MISS_FILTER
+#if HISPARSE_MISS_FILTER == 2
+                reinterpret_cast<unsigned char*>(
+                    s.filter)[filter_byte(s, static_cast<int32_t>(key))] = 1;
+#elif HISPARSE_MISS_FILTER
                 const FilterProbe fp =
                     filter_probe(s, static_cast<int32_t>(key));
                 atomicOr(&s.filter[fp.word], fp.mask);
@@ -438,8 +509,37 @@ __device__ bool classify_entries(const ResolveArgs& a, const Group& g,
   }
   const int w = __reduce_add_sync(0xffffffffu, created_keys);
   if ((threadIdx.x & 31) == 0 && w != 0) atomicAdd(&s.ctr[kCtrUnion], w);
+#if HISPARSE_FIRST_PLAIN
+  if (__ballot_sync(0xffffffffu, dup_refs) != 0 && (threadIdx.x & 31) == 0) {
+    atomicOr(&s.ctr[kCtrDupRefs], 1);
+  }
+#endif
   return __syncthreads_or(pending) != 0;
 }
+
+#if HISPARSE_FIRST_PLAIN
+// After B1, only when some key is referenced twice (MTP unions, repeated
+// positions): a key's value holds its creator's flat index, which need not
+// be the smallest; every reference with a smaller index lowers it. Nothing
+// else touches the values in this pass; a stale read only costs an extra
+// atomic (the value only decreases). Ends with a barrier, so the scan's
+// writes to the same words never meet these atomics.
+__device__ void merge_first_refs(const ResolveArgs& a, const Group& g,
+                                 const Smem& s) {
+  const int K = static_cast<int>(a.top_k);
+  const int entries = g.n * K;
+  for (int f = threadIdx.x; f < entries; f += kResolveThreads) {
+    const uint32_t code = s.entry_code[f];
+    if (code >= kCodeResident) continue;
+    const uint32_t v =
+        *reinterpret_cast<volatile uint32_t*>(&s.hash_values[code]);
+    if ((v & kFirstMask) > static_cast<uint32_t>(f)) {
+      atomicMin(&s.hash_values[code], (kNone16 << 16) | f);
+    }
+  }
+  __syncthreads();
+}
+#endif
 
 // Valid entries of a group with nothing pending, per row into filter[i]
 // (still all zero: nothing was inserted). Ends with a barrier.
@@ -502,7 +602,9 @@ __device__ void scan_lru(const ResolveArgs& a, const Group& g,
   const int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
   const int32_t* dgi_row = a.dgi + static_cast<int64_t>(g.state) * H;
   const WarpRun run = warp_run(H, threadIdx.x >> 5);
+#if !HISPARSE_SCAN_PLAIN
   bool dup = false;
+#endif
   for (int j0 = 0; j0 < run.rounds; j0 += kLruBatch) {
     int slot[kLruBatch];
     int32_t cached[kLruBatch];
@@ -521,7 +623,12 @@ __device__ void scan_lru(const ResolveArgs& a, const Group& g,
       const int pb = (run.word0 + j0 + j) * 32;
       bool found = false;
       bool look = cached[j] >= 0;
-#if HISPARSE_MISS_FILTER
+#if HISPARSE_MISS_FILTER == 2
+      if (look) {
+        look = reinterpret_cast<const unsigned char*>(
+                   s.filter)[filter_byte(s, cached[j])] != 0;
+      }
+#elif HISPARSE_MISS_FILTER
       if (look) {
         const FilterProbe fp = filter_probe(s, cached[j]);
         look = (s.filter[fp.word] & fp.mask) == fp.mask;
@@ -531,14 +638,26 @@ __device__ void scan_lru(const ResolveArgs& a, const Group& g,
         const int h = hash_find(s, cached[j]);
         if (h >= 0) {
           found = true;
+#if HISPARSE_SCAN_PLAIN
+          // Plain store of the position into the high half of the key's
+          // value. Under valid state a key sits at one position, so this is
+          // its only writer; a key at two positions (corrupted state) is
+          // caught after B3 (hit and miss counts disagree) and then
+          // resolved by fix_first_hits with the earliest-position rule.
+          reinterpret_cast<uint16_t*>(&s.hash_values[h])[1] =
+              static_cast<uint16_t>(pb + lane);
+#else
           dup = record_hit(s, h, pb + lane) || dup;
+#endif
         }
       }
       const unsigned bits = __ballot_sync(0xffffffffu, found);
       if (lane == 0 && pb < H) s.words_pos[pb >> 5] = bits;
     }
   }
+#if !HISPARSE_SCAN_PLAIN
   if (dup) atomicOr(&s.ctr[kCtrDup], 1);
+#endif
 }
 
 // Corrupted state only (a key held by two slots): a position is a hit only
@@ -569,6 +688,40 @@ __device__ void rescan_first_hits(const ResolveArgs& a, const Group& g,
   }
   __syncthreads();
 }
+
+#if HISPARSE_SCAN_PLAIN
+// Corrupted state only, after B3: some key was found at two positions (the
+// hit and miss counts disagree), and the scan's plain stores left any one of
+// its positions. Every found position now lowers its key's position by CAS
+// minimum, then words_pos is recomputed with the earliest-position rule
+// (spec 5.1 step 3); the caller redoes the reorder. Two barriers.
+__device__ void fix_first_hits(const ResolveArgs& a, const Group& g,
+                               const Smem& s) {
+  const int lane = threadIdx.x & 31;
+  const int32_t H = a.hot_size;
+  const int16_t* lru_row = a.lru + static_cast<int64_t>(g.state) * H;
+  const int32_t* dgi_row = a.dgi + static_cast<int64_t>(g.state) * H;
+  const WarpRun run = warp_run(H, threadIdx.x >> 5);
+  for (int j = 0; j < run.rounds; ++j) {
+    const int pb = (run.word0 + j) * 32;
+    const int p = pb + lane;
+    if (pb >= H) break;  // warp-uniform
+    if (p < H && ((s.words_pos[pb >> 5] >> lane) & 1u)) {
+      const int slot = lru_row[p];
+      if (slot >= 0 && slot < H) {
+        const int32_t c = dgi_row[slot];
+        const int h = c >= 0 ? hash_find(s, c) : -1;
+        if (h >= 0) record_hit(s, h, p);
+      }
+    }
+  }
+  __syncthreads();
+  // Every thread has read the count that sent it here; the redone reorder
+  // counts again (after rescan_first_hits' barrier).
+  if (threadIdx.x == 0) s.ctr[kCtrMissKeys] = 0;
+  rescan_first_hits(a, g, s);
+}
+#endif
 
 struct Totals {
   int n_union;
@@ -627,6 +780,9 @@ __device__ Totals reorder_lru(const ResolveArgs& a, const Group& g,
 
   const int entries = g.n * static_cast<int>(a.top_k);
   const WarpRun er = warp_run(entries, warp);
+#if HISPARSE_SCAN_PLAIN
+  int miss_keys = 0;
+#endif
   for (int j = 0; j < er.rounds; ++j) {
     const int fb = (er.word0 + j) * 32;
     if (fb >= entries) break;  // warp-uniform
@@ -642,7 +798,15 @@ __device__ Totals reorder_lru(const ResolveArgs& a, const Group& g,
     }
     const unsigned bits = __ballot_sync(0xffffffffu, first_miss);
     if (lane == 0) s.words_ent[fb >> 5] = bits;
+#if HISPARSE_SCAN_PLAIN
+    miss_keys += __popc(bits);
+#endif
   }
+#if HISPARSE_SCAN_PLAIN
+  // Keys without a hit: with hits + misses = |U| every found key was found
+  // at exactly one position (checked after B3).
+  if (lane == 0 && miss_keys != 0) atomicAdd(&s.ctr[kCtrMissKeys], miss_keys);
+#endif
   // The filter is dead: its first n words become the per-row valid counts.
   for (int i = threadIdx.x; i < g.n; i += kResolveThreads) s.filter[i] = 0;
   return t;
@@ -869,12 +1033,27 @@ __global__ void __launch_bounds__(kResolveThreads, HISPARSE_MIN_BLOCKS)
     return;  // INV-34: dgi and lru untouched
   }
   PHASE_MARK(2);
+#if HISPARSE_FIRST_PLAIN
+  if (s.ctr[kCtrDupRefs] != 0) merge_first_refs(a, g, s);  // + a barrier
+#endif
   scan_lru(a, g, s);
   __syncthreads();  // B2
+#if HISPARSE_SCAN_PLAIN
+  PHASE_MARK(3);
+  Totals t = reorder_lru(a, g, s);
+  __syncthreads();  // B3
+  if (t.n_hits + s.ctr[kCtrMissKeys] != t.n_union) {  // block-uniform
+    // Corrupted state only: a key at two LRU positions.
+    fix_first_hits(a, g, s);
+    t = reorder_lru(a, g, s);
+    __syncthreads();
+  }
+#else
   if (s.ctr[kCtrDup] != 0) rescan_first_hits(a, g, s);
   PHASE_MARK(3);
   const Totals t = reorder_lru(a, g, s);
   __syncthreads();  // B3
+#endif
   PHASE_MARK(4);
   assign_misses(a, g, s, t);
   __syncthreads();  // B4

@@ -291,18 +291,23 @@ def test_hand_edited_patch_file_fails_the_round_trip(repo: Path):
     assert proc.returncode != 0 and f"patches/{FIRST_PATCH}.patch" in proc.stderr
 
 
-def test_new_stg_patch_is_exported_in_order(repo: Path):
-    """The house workflow: stg new + refresh + export adds a file and a
-    series line named after the stgit patch, not after its subject."""
+def add_docs_patch(repo: Path, name: str, subject: str, status: str) -> None:
+    """The house workflow on a fresh stack: stg new, edit, refresh, export."""
     tree = repo / "work/s"
     run(["scripts/stack.sh", "--to", "work/s"], repo)
-    stg(tree, "new", "docs-example", "-m",
-        "[Doc] docs: example\n\nWhy: test.\n\nUpstream-Status: Inappropriate [build-infra]\n"
+    stg(tree, "new", name, "-m",
+        f"[Doc] docs: {subject}\n\nWhy: test.\n\nUpstream-Status: {status}\n"
         "Drop-When: never\nFork-Test: none\nSigned-off-by: t <t@t>")
     (tree / "docs/hisparse-example.md").write_text("example\n")
     subprocess.run(["git", "-C", str(tree), "add", "docs/hisparse-example.md"], check=True)
     stg(tree, "refresh")
     run(["scripts/export.sh", "--from", "work/s"], repo)
+
+
+def test_new_stg_patch_is_exported_in_order(repo: Path):
+    """stg new + refresh + export adds a file and a series line named after
+    the stgit patch, not after its subject."""
+    add_docs_patch(repo, "docs-example", "example", "Inappropriate [build-infra]")
     assert series(repo)[-1] == "docs-example"
     assert (repo / "patches/docs-example.patch").read_text().startswith(
         "From 0000000000000000000000000000000000000000")
@@ -311,15 +316,7 @@ def test_new_stg_patch_is_exported_in_order(repo: Path):
 
 def test_status_order_is_enforced(repo: Path):
     """Backports first, then pending/submitted, then fork-only patches."""
-    tree = repo / "work/s"
-    run(["scripts/stack.sh", "--to", "work/s"], repo)
-    stg(tree, "new", "docs-late-pending", "-m",
-        "[Doc] docs: pending after fork-only\n\nWhy: test.\n\nUpstream-Status: Pending\n"
-        "Drop-When: never\nFork-Test: none\nSigned-off-by: t <t@t>")
-    (tree / "docs/hisparse-example.md").write_text("example\n")
-    subprocess.run(["git", "-C", str(tree), "add", "docs/hisparse-example.md"], check=True)
-    stg(tree, "refresh")
-    run(["scripts/export.sh", "--from", "work/s"], repo)
+    add_docs_patch(repo, "docs-late-pending", "pending after fork-only", "Pending")
     proc = lint(repo)
     assert proc.returncode != 0 and "L4 order: docs-late-pending" in proc.stderr
 

@@ -5,7 +5,6 @@ names the setting, its value, the limit and the fix (spec 6.3), and the
 config-only checks run through ``verify_hisparse_config`` on a real
 VllmConfig. The RAM check reads psutil, which is monkeypatched."""
 
-import json
 import logging
 import re
 from collections import namedtuple

@@ -323,6 +323,7 @@ class SimWorker:
         # (worker metadata, finished_recving, finished_sending).
         self.children: list = []
         self.requests_seen: dict[str, Request] = {}
+        self.cow_done: set[int] = set()
         self.transfers_seen: list = []
 
     # ----------------------------------------------------------- W0
@@ -466,8 +467,15 @@ class SimWorker:
                 del self.in_flight[r][tid]
                 self.done[r].add(tid)
 
+    def _copy_on_write(self, meta: HiSparseStepMetadata) -> None:
+        """Host CoW (4.12): copy the block, report the destination done."""
+        for src, dst in meta.cow_copies:
+            self.host[dst * B:(dst + 1) * B] = self.host[src * B:(src + 1) * B]
+            self.cow_done.add(dst)
+
     def _ack(self) -> HiSparseWorkerAck | None:
-        ack = HiSparseWorkerAck()
+        ack = HiSparseWorkerAck(cow_done=frozenset(self.cow_done))
+        self.cow_done = set()
         for r in range(self.ranks):
             ack = ack.aggregate(HiSparseWorkerAck(
                 enqueued={t: frozenset({r}) for t in self.enqueue_report[r]},
@@ -497,6 +505,7 @@ class SimWorker:
         self._sync_tables(so)
         self._check_tables(so)
         self._transfers(meta)
+        self._copy_on_write(meta)
         self._forward(so)
         self._complete()
         ack = self._ack()

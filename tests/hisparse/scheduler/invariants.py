@@ -49,7 +49,7 @@ def expected_refs(scheduler: Scheduler) -> tuple[Counter, Counter]:
     for st in detached.values():
         for blk in st.detached.host_blocks:
             host[blk.block_id] += 1
-    for src, dst in hs._cow_in_flight.values():
+    for src, dst in [*hs._cow_pairs, *hs._cow_in_flight.values()]:
         host[src.block_id] += 1
         host[dst.block_id] += 1
     return gpu, host
@@ -129,12 +129,12 @@ def check_invariants(scheduler: Scheduler) -> None:
                 assert p in st.valid, f"INV-18: {req_id} page {p} published but not durable"
     tids = [s.transfer_id for s in hs.pending_spills.values()]
     assert len(tids) == len(set(tids))
-    live_pending = sum(1 for s in hs.pending_spills.values() if s.state.live)
+    live_pending = sum(1 for s in hs.pending_spills.values() if hs.is_current(s.state))
     assert live_pending == pending_total, "INV-16: pending pages and spills disagree"
     for block_id, owners in hs.owners.items():
         assert owners, f"empty owner set for block {block_id}"
         for st, p in owners:
-            assert st.live and hs.states.get(st.request_id) is st and p in st.unpinned, (
+            assert hs.is_current(st) and p in st.unpinned, (
                 f"INV-22: block {block_id} owned by a page that is not unpinned")
     for key, blocks in hs.copies.items():
         for b in blocks:

@@ -133,3 +133,29 @@ def test_watermark_and_admission_window_transitions(build):
     run_step(s, w)
     assert hs.states["small"].hot_required
     check_invariants(s)
+
+
+def test_host_copy_on_write_is_sent_and_released_on_ack(build):
+    """Spec 4.12 (CoW, injected: v1 prefix hits are block-aligned so the pin
+    never produces one): the pair reaches the workers as host block ids, both
+    endpoints stay leased until cow_done, then return to the host pool."""
+    s, w = build()
+    r = make_request("r", prompt(200), 40)
+    s.add_request(r)
+    run_step(s, w)
+    hs = coord(s).hisparse
+    host = coord(s).host_pool
+    source = coord(s).single_type_managers[coord(s).source_group_id].req_to_blocks["r"][0]
+    destination = host.get_new_blocks(1)[0]
+    host.touch([source])  # the caller hands one reference per endpoint over
+    hs.note_cow(source, destination)
+    check_invariants(s)
+    assert s.connector.has_pending_push_work()
+    so = run_step(s, w)
+    assert so.kv_connector_metadata.cow_copies == [(source.block_id, destination.block_id)]
+    assert destination.ref_cnt == 0 and source.ref_cnt == 1  # released on the ack
+    assert (w.host[destination.block_id * 64:(destination.block_id + 1) * 64]
+            == w.host[source.block_id * 64:(source.block_id + 1) * 64]).all()
+    check_invariants(s)
+    drain(s, w)
+    check_drained(s)

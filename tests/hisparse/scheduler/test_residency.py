@@ -133,7 +133,7 @@ def test_s4_preempted_request_never_publishes_more(build):
     s.running.remove(r)
     s._preempt_request(r, 0.0)
     check_invariants(s)
-    assert not old.live and old.publication is None
+    assert not hs(s).is_current(old) and old.publication is None
     w.hold = set(range(1, 1000)) - {old.pending[5]}
     step(s, w)  # the old spill completes; the request is re-admitted
     new = hs(s).states["r"]

@@ -30,6 +30,7 @@ pages a step touches, plus a request's first unpin of its history), never
 over tokens.
 """
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-_CLEAN = -1  # RequestResidency.dirty_from when the worker's table is current
+_CLEAN = sys.maxsize  # RequestResidency.dirty_from when the worker's table is current
 
 
 @dataclass(eq=False)
@@ -91,7 +92,6 @@ class RequestResidency:
     hot_required: bool = False
     hot_ready: bool = False
     """The hot region is complete (cached: it never shrinks while live)."""
-    live: bool = True
     detached: "DetachedPublication | None" = None
 
 
@@ -213,6 +213,11 @@ class HiSparseCoordinator:
     def _host_table(self, request_id: str) -> list[KVCacheBlock]:
         return self.source.req_to_blocks[request_id]
 
+    def is_current(self, st: RequestResidency) -> bool:
+        """``st`` is the live incarnation of its request (not freed, not
+        replaced by a re-admission after preemption)."""
+        return self.states.get(st.request_id) is st
+
     def is_hot_required(self, request_id: str) -> bool:
         st = self.states.get(request_id)
         return st is not None and st.hot_required
@@ -247,9 +252,9 @@ class HiSparseCoordinator:
         self._new_source_block_ids.extend(b.block_id for b in blocks)
 
     def note_cow(self, source: KVCacheBlock, destination: KVCacheBlock) -> None:
-        """A host CoW pair (4.12): both endpoints are retained until the
-        workers report the destination in ``cow_done``."""
-        self.host_pool.touch([source, destination])
+        """A host CoW pair (4.12). The caller hands over one reference on
+        each endpoint; they are released when the workers report the
+        destination in ``cow_done``."""
         self._cow_pairs.append((source, destination))
 
     def expect_external(self, request: Request) -> None:
@@ -427,7 +432,7 @@ class HiSparseCoordinator:
             t[page] = self.gpu_pool.null_block
         st.unpinned.discard(page)
         st.num_null_pages += 1
-        st.dirty_from = page if st.dirty_from == _CLEAN else min(st.dirty_from, page)
+        st.dirty_from = min(st.dirty_from, page)
         st.hot_required = True
         self.stats.lost_pages += 1
 
@@ -486,7 +491,7 @@ class HiSparseCoordinator:
                 t[p] = b
             st.pinned_clean.add(p)
             st.num_null_pages -= 1
-            st.dirty_from = p if st.dirty_from == _CLEAN else min(st.dirty_from, p)
+            st.dirty_from = min(st.dirty_from, p)
             self.stats.pages_adopted += 1
         st.pages_to_adopt = 0
 
@@ -494,7 +499,7 @@ class HiSparseCoordinator:
 
     def _publish(self, st: RequestResidency) -> None:
         """Publish min(requested, durable prefix) tokens (4.4 step 2)."""
-        if st.publication is None or st.request is None or not st.live:
+        if st.publication is None or st.request is None or not self.is_current(st):
             return
         num_pages = min(st.publication // self.block_size, st.ready_prefix)
         if num_pages > self.source.num_cached_block.get(st.request_id, 0):
@@ -541,7 +546,7 @@ class HiSparseCoordinator:
                 self._finish_spill(spill)
                 advanced[id(spill.state)] = spill.state
         for st in advanced.values():
-            if st.live and self.states.get(st.request_id) is st:
+            if self.is_current(st):
                 # One batch per request, so the unpin is tail-first.
                 if self._hot_ready(st):
                     self._unpin_eligible(st, self._tables(st.request_id))
@@ -563,7 +568,7 @@ class HiSparseCoordinator:
         # is the last reference dropped and puts the blocks at the tail.
         self.gpu_pool.free_blocks(spill.resident_blocks)
         self.host_pool.free_blocks([spill.host_block])
-        if st.live and self.states.get(st.request_id) is st and p in st.valid:
+        if self.is_current(st) and p in st.valid:
             st.pinned_clean.add(p)
 
     # ------------------------------------------------------------- free
@@ -581,7 +586,6 @@ class HiSparseCoordinator:
         st = self.states.pop(request_id, None)
         if st is None:
             return
-        st.live = False
         tables = self._tables(request_id) if self.residents else []
         if tables and tables[0]:
             null = self.gpu_pool.null_block

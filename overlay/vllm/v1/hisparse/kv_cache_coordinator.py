@@ -83,6 +83,15 @@ class HiSparseGpuBlockPool(UnpinBlockPool):
         return True
 
 
+def residency_of(gpu_block_pool: BlockPool, error: str) -> HiSparseCoordinator:
+    """The residency coordinator behind a scheduler's GPU pool, as the KV
+    connectors receive it through ``bind_gpu_block_pool``."""
+    hisparse = getattr(gpu_block_pool, "hisparse", None)
+    if hisparse is None:
+        raise ValueError(error)
+    return hisparse
+
+
 class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
     """Hybrid coordinator with a host pool for the source group."""
 
@@ -155,10 +164,21 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         # same allocation decisions (INV-7, INV-5). The per-step hot path
         # asks the first of each set and applies the answer to all, instead
         # of looping over every group per request.
-        self._lockstep = (self.resident_group_ids, self.hot_group_ids)
+        self._lockstep = tuple(
+            g for g in (self.resident_group_ids, self.hot_group_ids) if g
+        )
         paired = {*self.resident_group_ids, *self.hot_group_ids}
         self._own_group_ids = tuple(
             g for g in range(len(self.single_type_managers)) if g not in paired
+        )
+        # The spec groups whose prefix hits come from the GPU prefix cache.
+        self._gpu_hit_groups = tuple(
+            g for g in self.attention_groups
+            if not set(g.group_ids) & {self.source_group_id, *paired}
+        )
+        # (group asked, how many groups its answer stands for)
+        self._lead_groups = tuple((g, 1) for g in self._own_group_ids) + tuple(
+            (ids[0], len(ids)) for ids in self._lockstep
         )
 
     def _replace_hisparse_managers(self, config: HiSparseKVCacheConfig) -> None:
@@ -228,13 +248,9 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             alignment_tokens=b,
         )
         hits: dict[int, list[KVCacheBlock]] = {sid: src_hits[0]}
-        gpu_spec_groups = [
-            g for g in self.attention_groups
-            if not set(g.group_ids) & {sid, *self.resident_group_ids, *self.hot_group_ids}
-        ]
         while length > 0:
             start = length
-            for spec, group_ids, manager_cls, _ in gpu_spec_groups:
+            for spec, group_ids, manager_cls, _ in self._gpu_hit_groups:
                 blocks, group_len = manager_cls.find_longest_cache_hit(
                     block_hashes=block_hashes,
                     max_length=length,
@@ -288,9 +304,8 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         apply_admission_cap: bool = False,
     ) -> int:
         managers = self.single_type_managers
-        lead_ids = self._own_group_ids + tuple(g[0] for g in self._lockstep if g)
         total = 0
-        for gid in lead_ids:
+        for gid, multiplicity in self._lead_groups:
             n = managers[gid].get_num_blocks_to_allocate(
                 request_id,
                 num_tokens,
@@ -300,14 +315,8 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 num_tokens_main_model,
                 apply_admission_cap=apply_admission_cap,
             )
-            total += n * self._multiplicity(gid)
+            total += n * multiplicity
         return total
-
-    def _multiplicity(self, gid: int) -> int:
-        for group_ids in self._lockstep:
-            if group_ids and gid == group_ids[0]:
-                return len(group_ids)
-        return 1
 
     def allocate_new_blocks(
         self,
@@ -323,8 +332,6 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 request_id, num_tokens, num_tokens_main_model
             )
         for group_ids in self._lockstep:
-            if not group_ids:
-                continue
             n = managers[group_ids[0]].num_new_blocks(request_id, num_tokens)
             if n == 0:
                 continue
@@ -365,7 +372,7 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         # managers use num_cached_block to recognise running requests).
         req_id = request.request_id
         for group_ids in self._lockstep:
-            if group_ids and req_id not in managers[group_ids[0]].num_cached_block:
+            if req_id not in managers[group_ids[0]].num_cached_block:
                 for gid in group_ids:
                     managers[gid].num_cached_block.setdefault(req_id, 0)
         self.hisparse.advance_scheduled(request, num_computed_tokens)

@@ -145,11 +145,10 @@ class HiSparseSourceManager(FullAttentionManager):
     def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         # Host CoW pairs are host block ids: they go to the HiSparse workers,
         # never to the runner's GPU block copies (two id namespaces).
+        # The pin's CoW keeps one reference on each end for its release
+        # path; the coordinator takes those over until the copy is done.
         for source, destination in super().take_pending_cow_copies():
             self.hisparse.note_cow(source, destination)
-            # The pin's CoW kept one extra ref on each end for its own
-            # release path; note_cow retains them on ours instead.
-            self.block_pool.free_blocks([source, destination])
         return []
 
 

@@ -74,14 +74,14 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
         """The scheduler hands over its GPU pool; a HiSparse KV-cache
         coordinator's pool carries the residency coordinator."""
-        hisparse = getattr(gpu_block_pool, "hisparse", None)
-        if hisparse is None:
-            raise ValueError(
-                "HiSparseConnector needs the HiSparse KV-cache layout: set "
-                "--attention-config '{\"hisparse_config\": {\"host_pool_gib\": ...}}' "
-                "on a sparse-MLA model."
-            )
-        self._hisparse = hisparse
+        from vllm.v1.hisparse.kv_cache_coordinator import residency_of
+
+        self._hisparse = residency_of(
+            gpu_block_pool,
+            "HiSparseConnector needs the HiSparse KV-cache layout: set "
+            "--attention-config '{\"hisparse_config\": {\"host_pool_gib\": ...}}' "
+            "on a sparse-MLA model.",
+        )
 
     @property
     def hisparse(self) -> "HiSparseCoordinator":

@@ -191,10 +191,9 @@ class HiSparseOffloadingConnector(OffloadingConnector):
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
         """The HiSparse GPU pool carries the residency coordinator, which
         knows the host prefix (MultiConnector forwards this to every child)."""
-        hisparse = getattr(gpu_block_pool, "hisparse", None)
-        if hisparse is None:
-            raise ValueError(NOT_A_HISPARSE_LAYOUT)
-        self._hisparse = hisparse
+        from vllm.v1.hisparse.kv_cache_coordinator import residency_of
+
+        self._hisparse = residency_of(gpu_block_pool, NOT_A_HISPARSE_LAYOUT)
         super().bind_gpu_block_pool(gpu_block_pool)
 
     @property

@@ -25,11 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metadata import (
-    HiSparseStepMetadata,
-    HiSparseWorkerAck,
-)
 from vllm.logger import init_logger
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -88,17 +88,21 @@ def test_offsets_and_tensors_dsv32():
     assert first_sparse.shared_by == (
         [f"{attn(i)}.hisparse_resident" for i in (0, 12, 24, 36, 48, 60)]
         + [f"{attn(i)}.hisparse_hot" for i in (0, 12, 24, 36, 48, 60)]
+        + [attn(i) for i in (0, 12, 24, 36, 48, 60)]
     )
     for t in tensors:
         names = set(t.shared_by)
         for name in layout.sparse_layers:
+            # The layer, its resident and its hot twin share one tensor: the
+            # runner's view of the layer is its resident view (INV-13).
             assert (f"{name}.hisparse_resident" in names) == (
                 f"{name}.hisparse_hot" in names
-            )
-    # Host tensors are outside kv_cache_tensors (vLLM's allocator never sees them).
-    assert not any(
-        name in t.shared_by for t in tensors for name in layout.sparse_layers
-    )
+            ) == (name in names)
+    # Every sparse layer appears in exactly one device tensor; its host copy
+    # is outside kv_cache_tensors (vLLM's allocator never sees host memory).
+    for name in layout.sparse_layers:
+        assert sum(name in t.shared_by for t in tensors) == 1
+    assert all(t.size == NUM_BLOCKS * 515_328 for t in tensors)
     assert [h.layer_name for h in config.host_kv_cache_tensors] == list(
         layout.sparse_layers
     )

@@ -165,13 +165,96 @@ def check_hybrid_kv_cache_manager(disabled: bool) -> None:
 
 
 def check_speculative_method(method: str | None) -> None:
-    """Spec 6.3 #15: no speculation, or MTP."""
-    if method is not None and method != "mtp":
+    """Spec 6.3 #15: no speculation, or MTP. The worker path does not run
+    the drafter's layers yet, so MTP is refused too, with its own message."""
+    if method is None:
+        return
+    if method != "mtp":
         raise HiSparseConfigError(
             f"HiSparse supports speculative decoding with MTP only; "
             f"speculative_config.method={method}. Use method 'mtp' (or no "
             "speculation), or remove attention_config.hisparse_config."
         )
+    raise HiSparseConfigError(
+        "HiSparse does not run speculative decoding yet "
+        "(speculative_config.method=mtp): the MTP drafter's sparse-MLA layer is "
+        "not mirrored to the host pool in this release. Remove "
+        "--speculative-config, or remove attention_config.hisparse_config."
+    )
+
+
+def check_full_isl_reservation(reserve_full_isl: bool) -> None:
+    """F15: host admission must reserve the request's full input length.
+
+    Without it, requests admitted against free host blocks can each wait on
+    host pages the others hold, and waiting requests are never preempted to
+    free them (a deadlock).
+    """
+    if not reserve_full_isl:
+        raise HiSparseConfigError(
+            "HiSparse needs scheduler_config.scheduler_reserve_full_isl=True "
+            "(got False): admission must reserve each request's full input in "
+            "the host pool, or requests can deadlock waiting on each other's "
+            "host pages. Remove --no-scheduler-reserve-full-isl."
+        )
+
+
+def check_prefix_caching(enabled: bool | None) -> None:
+    """The host pool is the prefix cache of sparse-MLA KV (spec 1.4)."""
+    if enabled is False:
+        raise HiSparseConfigError(
+            "HiSparse needs prefix caching (the host pool is the prefix cache of "
+            "the sparse-MLA KV): cache_config.enable_prefix_caching=False. Remove "
+            "--no-enable-prefix-caching."
+        )
+
+
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
+MIN_HEADS_PER_RANK = 32
+
+
+def check_attention_path(cache_dtype: str, num_heads_per_rank: int) -> None:
+    """The worker path HiSparse drives: FlashMLA sparse's FP8 (fp8_ds_mla)
+    cache with separate prefill and decode kernels, which the pin selects
+    with at least 32 attention heads per rank. The bf16 cache and the FP8
+    mixed-batch path (fewer heads per rank) read prefill context straight
+    from one KV tensor by global row id, which host-backed context cannot
+    give them yet."""
+    if cache_dtype not in FP8_KV_CACHE_DTYPES:
+        raise HiSparseConfigError(
+            f"HiSparse serves the fp8_ds_mla KV cache only for now; "
+            f"cache_config.cache_dtype={cache_dtype}. Use --kv-cache-dtype fp8, or "
+            "remove attention_config.hisparse_config."
+        )
+    if num_heads_per_rank < MIN_HEADS_PER_RANK:
+        raise HiSparseConfigError(
+            f"HiSparse needs at least {MIN_HEADS_PER_RANK} attention heads per "
+            f"rank (FlashMLA sparse's separate prefill/decode path); this model "
+            f"has {num_heads_per_rank} per rank. Lower tensor_parallel_size, or "
+            "remove attention_config.hisparse_config."
+        )
+
+
+def check_micro_batching(enabled: bool) -> None:
+    if enabled:
+        raise HiSparseConfigError(
+            "HiSparse does not support micro-batching (parallel_config.enable_dbo "
+            "or ubatch_size > 1); disable it or remove "
+            "attention_config.hisparse_config."
+        )
+
+
+def apply_hisparse_defaults(vllm_config: "VllmConfig") -> None:
+    """Settings HiSparse implies; a no-op when HiSparse is off.
+
+    Sparse-MLA prefill always takes the MQA path: the pin's dense-MHA prefill
+    (chosen for prompts no longer than index_topk) gathers context through the
+    layer's own block table, which under HiSparse is the source group's (host
+    block ids). Prompts longer than index_topk take this path anyway.
+    """
+    if vllm_config.attention_config.hisparse_config is None:
+        return
+    vllm_config.attention_config.sparse_mla_force_mqa = True
 
 
 def check_routed_experts(enabled: bool) -> None:
@@ -398,6 +481,15 @@ def verify_hisparse_config(vllm_config: "VllmConfig") -> None:
     )
     cudagraph_mode = vllm_config.compilation_config.cudagraph_mode
     check_cudagraph_mode(cudagraph_mode.name if cudagraph_mode is not None else "NONE")
+    check_full_isl_reservation(
+        bool(vllm_config.scheduler_config.scheduler_reserve_full_isl)
+    )
+    check_prefix_caching(vllm_config.cache_config.enable_prefix_caching)
+    check_micro_batching(bool(parallel_config.use_ubatching))
+    check_attention_path(
+        str(vllm_config.cache_config.cache_dtype),
+        model_config.get_num_attention_heads(parallel_config),
+    )
     check_hybrid_kv_cache_manager(
         bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
     )

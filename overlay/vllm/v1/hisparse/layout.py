@@ -994,7 +994,10 @@ def build_hisparse_kv_cache_config(
     ``KVCacheTensor`` (the packed convention of 0.26.0); in particular
     ``<l>.hisparse_resident`` and ``<l>.hisparse_hot`` always share one, so
     the worker builds views with the same data pointer and strides for both
-    (INV-13).
+    (INV-13). The sparse-MLA layer ``<l>`` itself (a source-group layer)
+    shares that tensor too: the runner's own allocator and reshape then give
+    the attention module its resident view as ``kv_cache`` (docs/worker.md),
+    while the host copy stays outside ``kv_cache_tensors``.
     """
     slots: dict[tuple[int, int], list[str]] = {}
     for gid in layout.device_group_ids:
@@ -1007,6 +1010,10 @@ def build_hisparse_kv_cache_config(
                 spec.kv_cache_specs[name].page_size_bytes,
             )
             slots.setdefault(key, []).append(name)
+    for name in layout.sparse_layers:
+        resident = resident_layer_name(name)
+        key = (layout.layer_offsets[resident], layout.page_bytes)
+        slots[key].append(name)
     slab_bytes = num_gpu_blocks * layout.bytes_per_block
     kv_cache_tensors = [
         KVCacheTensor(

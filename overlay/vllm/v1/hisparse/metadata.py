@@ -70,7 +70,8 @@ class HiSparseStepMetadata(KVConnectorMetadata):
     update_indptr: np.ndarray = field(
         default_factory=lambda: np.zeros(1, dtype=np.int64)
     )
-    """int64 [m + 1]: request i's rows are ``update_block_ids[indptr[i]:indptr[i+1]]``."""
+    """int64 [m + 1]: request i's rows are
+    ``update_block_ids[indptr[i]:indptr[i + 1]]``."""
     update_block_ids: np.ndarray = _ids(np.int32, 0)
     """int32 [indptr[-1], G]: block ids from the start page to the end of the
     table, one column per resident group; 0 = null (read from host)."""

@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 
 def mla_spec_fields(spec: MLAAttentionSpec) -> dict[str, Any]:
@@ -186,6 +187,13 @@ def base_layer_name(layer_name: str) -> str:
 def is_hisparse_virtual_layer(layer_name: str) -> bool:
     """True for resident/hot layer names, which have no model module."""
     return layer_name.endswith((RESIDENT_SUFFIX, HOT_SUFFIX))
+
+
+def is_hisparse_virtual_group(group: "KVCacheGroupSpec") -> bool:
+    """A resident or hot group: virtual layers only, no attention module
+    (false for every group of a config without HiSparse)."""
+    names = group.layer_names
+    return bool(names) and all(is_hisparse_virtual_layer(n) for n in names)
 
 
 def is_hisparse_spec(spec: KVCacheSpec) -> bool:

@@ -1,20 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""C5: the scheduler half of ``HiSparseConnector`` (spec 2.6, 4.1).
+"""C5 + C6 hooks: ``HiSparseConnector`` (spec 2.6, 2.7, 4.1).
 
-Each step it turns the residency coordinator's decisions into one
-``HiSparseStepMetadata`` for the workers (transfers, residency updates, CoW
-pairs, newly allocated host blocks, row-mirror envelopes), and feeds the
-aggregated ``HiSparseWorkerAck`` back to the coordinator. It keeps the engine
-stepping while acks are outstanding (INV-15).
+Scheduler half: each step it turns the residency coordinator's decisions into
+one ``HiSparseStepMetadata`` for the workers (transfers, residency updates,
+CoW pairs, newly allocated host blocks, hot regions, reused GPU blocks), and
+feeds the aggregated ``HiSparseWorkerAck`` back to the coordinator. It keeps
+the engine stepping while acks are outstanding (INV-15).
+
+Worker half: vLLM's connector lifecycle drives the data plane
+(``vllm.v1.hisparse.worker``), which the runner's binding attaches
+(``attach_worker``): ``start_load_kv`` is the step start (W1, before every
+forward, zero-token steps included), ``save_kv_layer`` the per-layer mirror
+submission (W2), ``wait_for_save`` the step end (W3/W5, after the drafter),
+``build_connector_worker_meta`` the acks (W6).
 
 Host prefix hits are local (the source group's prefix cache lives in the
 host pool), so this connector reports no external tokens. Under a
 MultiConnector it composes with the OffloadingConnector, which keeps the
 indexer KV on its own offload path.
-
-The worker half (the DMA/mirror data plane, C6) is a separate component; a
-worker-role instance is refused with a clear error until it is installed.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -36,22 +40,22 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+    from vllm.v1.hisparse.worker import HiSparseWorker
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
-WORKER_HALF_MISSING = (
-    "HiSparseConnector's worker half (the host-mirror/DMA data plane) is not "
-    "installed in this build; HiSparse can run its scheduler side only "
-    "(simulation and tests). Remove hisparse_config / HiSparseConnector to "
-    "serve."
+NOT_BOUND = (
+    "HiSparseConnector's worker half is not bound to a HiSparse runtime: the "
+    "GPU model runner binds it when it initialises a HiSparse KV cache (is "
+    "this the V1 GPU model runner with the HiSparse series applied?)"
 )
 
 
 class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
-    """Scheduler half of the HiSparse connector."""
+    """Both halves of the HiSparse connector."""
 
     def __init__(
         self,
@@ -59,12 +63,11 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: "KVCacheConfig",
     ):
-        if role == KVConnectorRole.WORKER:
-            raise RuntimeError(WORKER_HALF_MISSING)
         super().__init__(vllm_config, role, kv_cache_config)
         spec = vllm_config.speculative_config
         self._num_lookahead_tokens = spec.num_speculative_tokens if spec else 0
         self._hisparse: HiSparseCoordinator | None = None
+        self._worker: HiSparseWorker | None = None
 
     # ----------------------------------------------------------- binding
 
@@ -76,7 +79,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._hisparse = residency_of(
             gpu_block_pool,
             "HiSparseConnector needs the HiSparse KV-cache layout: set "
-            "--attention-config '{\"hisparse_config\": {\"host_pool_gib\": ...}}' "
+            '--attention-config \'{"hisparse_config": {"host_pool_gib": ...}}\' '
             "on a sparse-MLA model.",
         )
 
@@ -137,13 +140,36 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ------------------------------------------------------- worker side
-    # A worker-role instance is refused in __init__, so these never run.
+
+    def attach_worker(self, worker: "HiSparseWorker") -> None:
+        """The runner's binding hands over the data plane (spec 2.9)."""
+        self._worker = worker
+
+    @property
+    def worker(self) -> "HiSparseWorker":
+        if self._worker is None:
+            raise RuntimeError(NOT_BOUND)
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        return None  # the binding builds HiSparse's own views of the slab
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        raise RuntimeError(WORKER_HALF_MISSING)
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiSparseStepMetadata)
+        worker = self.worker
+        attn_metadata = forward_context.attn_metadata
+        if attn_metadata is not None:
+            if not isinstance(attn_metadata, dict):
+                raise RuntimeError(
+                    "HiSparse needs per-layer attention metadata (micro-batching "
+                    "is not supported)"
+                )
+            attn_metadata = attn_metadata.get(worker.first_layer)
+        worker.start_step(meta, attn_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        raise RuntimeError(WORKER_HALF_MISSING)
+        return None  # HiSparse loads nothing per layer
 
     def save_kv_layer(
         self,
@@ -152,10 +178,19 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: "AttentionMetadata",
         **kwargs: Any,
     ) -> None:
-        raise RuntimeError(WORKER_HALF_MISSING)
+        if self._worker is not None:
+            self._worker.on_kv_written(layer_name)
 
     def wait_for_save(self) -> None:
-        raise RuntimeError(WORKER_HALF_MISSING)
+        if self._worker is not None:
+            self._worker.finish_forward()
+
+    def build_connector_worker_meta(self) -> "HiSparseWorkerAck | None":
+        return self._worker.take_acks() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
 
 
 __all__ = ["HiSparseConnector", "HiSparseStepMetadata", "HiSparseWorkerAck"]

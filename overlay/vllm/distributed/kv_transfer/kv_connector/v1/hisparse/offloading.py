@@ -27,6 +27,8 @@ Two HiSparse rules are added on top:
   every page below the start has a host copy and an indexer block (INV-31);
   the source and resident managers then take the cached host blocks and null
   resident entries for those pages;
+- a load into a GPU block that was an unpinned resident page until this
+  step waits for the compute stream (F16);
 - GPU blocks newly leased to resident or hot groups are reported to the
   offloader as reallocated, so a deferred store of a freed indexer block
   that the pool has just handed to a resident/hot lease is flushed before
@@ -38,6 +40,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -294,6 +297,31 @@ class HiSparseOffloadingConnector(OffloadingConnector):
             yield event
 
     # ------------------------------------------------------- worker side
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._fence_loads_into_reused_blocks()
+        super().start_load_kv(forward_context, **kwargs)
+
+    def _fence_loads_into_reused_blocks(self) -> None:
+        """F16: the pin's CPU -> GPU loads do not wait on the compute stream.
+        A load into a GPU block that was an unpinned resident page until this
+        step (the scheduler lists them, HiSparse's worker runs first) could
+        overwrite it while the step in flight still reads it, so such a load
+        waits for the compute stream. A deliberate host sync, and a rare one:
+        only a load landing in a block reused from an unpinned page."""
+        from vllm.v1.hisparse.worker import reused_blocks_this_step
+
+        meta = self._connector_metadata
+        if meta is None or not getattr(meta, "load_jobs", None):
+            return
+        reused = reused_blocks_this_step()
+        if reused.size == 0:
+            return
+        destinations = np.concatenate(
+            [np.asarray(job.dst_spec.block_ids) for job in meta.load_jobs.values()]
+        )
+        if np.intersect1d(destinations, reused).size:
+            torch.cuda.current_stream().synchronize()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Only the offloadable layers: the runner's dict may also hold the

@@ -1,0 +1,540 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""C7: the HiSparse hot-path runtime of one worker (spec 2.8, 4.8, 5.0).
+
+It owns the GPU state the decode path reads and writes:
+
+- per index group (a leader and its IndexShare followers): ``dgi`` (int32
+  [S + 1, H], the host row cached in each hot slot, -1 = empty), ``lru``
+  (int16 [S + 1, H], a permutation, position 0 = least recently used; row S
+  is the shared state of requests without a hot region) and ``stats``
+  (uint64 [4]: hits, misses, tripped misses, rejected rows);
+- request-state slots: a slot is given to every hot region the scheduler
+  allocates (keyed by the region's first block in the first hot group, which
+  never changes while the request runs, INV-5) and reset on assignment
+  (INV-24); ``region_slot`` maps a GPU block id to its slot on the device, so
+  ``req_state[row] = region_slot[hot_table[row, 0]]`` is one gather per step
+  instead of a Python loop over requests;
+- the per-step inputs of the kernels, written outside any CUDA graph into
+  persistent tensors (INV-32): ``req_state`` (int32 [S]) and ``row_req``
+  (int32 [max_tokens]: the batch row of each token, -1 = padding, F13);
+- one resolver workspace shared by every index group of the model (INV-9):
+  out_rows, valid_counts, plan_src, plan_dst, plan_count. A group's resolve
+  overwrites it only after every layer reading the previous group's contents
+  has been enqueued on the same stream.
+
+NOTE (a decision, docs/worker.md): the resolver and the gathers run on the
+compute stream, in the leader's attention call. Followers replay the
+leader's plan with their own views. The copy-stream overlap of spec 2.10 is
+a later optimisation; on one stream INV-9 holds by construction.
+
+The runtime never decides residency (INV-8): it applies what the scheduler
+sent and what the block tables say.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.hisparse.staging import (
+    StagedRequest,
+    host_backed_rows,
+    plan_staged_request,
+)
+
+logger = init_logger(__name__)
+
+
+class BatchState(Protocol):
+    """What the runtime reads of the runner's persistent batch: per-group
+    block tables and slot mappings, and the batch's real (unpadded) sizes."""
+
+    def num_reqs(self) -> int:
+        """Requests in this step's batch (rows 0..num_reqs-1)."""
+        ...
+
+    def num_tokens(self) -> int:
+        """Tokens in this step's batch, without CUDA-graph padding."""
+        ...
+
+    def seq_lens_cpu(self) -> np.ndarray:
+        """int [num_reqs]: context length of each request once this step's
+        tokens are computed (exact for prefill rows)."""
+        ...
+
+    def device(self, group_id: int) -> torch.Tensor:
+        """int32 [max_reqs, max_blocks]: the committed device table."""
+        ...
+
+    def host(self, group_id: int) -> np.ndarray:
+        """int32 [max_reqs, max_blocks]: the CPU table of the same rows."""
+        ...
+
+    def slot_mapping(self, group_id: int) -> torch.Tensor:
+        """int64 [max_tokens]: this step's slot of each token (-1 = padding)."""
+        ...
+
+
+class KernelOps(Protocol):
+    """The five HiSparse ops (``vllm.v1.hisparse.kernels`` on CUDA; the CPU
+    references of ``vllm.v1.hisparse.reference`` in CPU tests)."""
+
+    resolve_residency: Callable[..., None]
+    gather_compact: Callable[..., None]
+    gather_plan: Callable[..., None]
+    invalidate_written_slots: Callable[..., None]
+    copy_descriptors: Callable[..., None]
+
+
+@dataclass
+class LayerViews:
+    """One sparse-MLA layer's views (spec 2.9, INV-10, INV-13)."""
+
+    name: str
+    pair: int
+    """Index of its resident/hot group pair."""
+    offset: int
+    """off_l: byte offset of the layer inside a block of its pair."""
+    resident: torch.Tensor
+    """uint8 [N_gpu, B, W] strided view of the slab at off_l: the KV write
+    target, the hot view (the same object, INV-13) and the source of
+    device-to-device staging."""
+    attention: torch.Tensor
+    """uint8 [X, B, W] view that FlashMLA reads by attention row id
+    (flat mode: contiguous from off_l, Sa = bytes_per_block / W)."""
+    host: torch.Tensor
+    """uint8 [N_host * B, W]: host row g at row g (pinned, device-mapped)."""
+    host_ptr: int
+    group: "IndexGroup"
+
+
+@dataclass
+class IndexGroup:
+    """A leader and its IndexShare followers (spec 2.10, INV-11)."""
+
+    index: int
+    leader: str
+    layers: tuple[str, ...]
+    pair: int
+    dgi: torch.Tensor
+    lru: torch.Tensor
+    stats: torch.Tensor
+
+
+@dataclass
+class Workspace:
+    """The resolver outputs shared by every index group (INV-9)."""
+
+    out_rows: torch.Tensor
+    valid_counts: torch.Tensor
+    plan_src: torch.Tensor
+    plan_dst: torch.Tensor
+    plan_count: torch.Tensor
+    owner: "IndexGroup | None" = None
+    """The group whose plan the workspace holds (Python state: a follower
+    reached without its leader's plan is a bug, spec 2.10 step 4)."""
+
+    @classmethod
+    def allocate(cls, rows: int, top_k: int, device: torch.device) -> "Workspace":
+        def make(*shape: int) -> torch.Tensor:
+            return torch.full(shape, -1, dtype=torch.int32, device=device)
+
+        return cls(
+            out_rows=make(rows, top_k),
+            valid_counts=torch.zeros(rows, dtype=torch.int32, device=device),
+            plan_src=make(rows, top_k),
+            plan_dst=make(rows, top_k),
+            plan_count=torch.zeros(rows, dtype=torch.int32, device=device),
+        )
+
+
+@dataclass(frozen=True)
+class RuntimeGeometry:
+    """The numbers the kernels take (spec 0, 3.2, 5.7)."""
+
+    block_size: int
+    row_bytes: int
+    bytes_per_block: int
+    attention_block_stride: int
+    num_gpu_blocks: int
+    num_host_blocks: int
+    index_topk: int
+    max_decode_query_len: int
+    device_buffer_size: int
+    max_num_seqs: int
+    max_num_tokens: int
+
+    @property
+    def host_rows(self) -> int:
+        return self.num_host_blocks * self.block_size
+
+    @property
+    def workspace_rows(self) -> int:
+        """R_ws = min(max_num_batched_tokens, max_num_seqs * q) (spec 2.8)."""
+        return min(self.max_num_tokens, self.max_num_seqs * self.max_decode_query_len)
+
+
+@dataclass
+class SlotAllocator:
+    """Request-state slots keyed by hot region (the worker owns them, 2.8)."""
+
+    num_slots: int
+    free: list[int] = field(default_factory=list)
+    of_region: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.num_slots - 1, -1, -1))
+
+    def assign(self, region: int) -> int:
+        if region in self.of_region:
+            raise RuntimeError(
+                f"HiSparse: hot region {region} was allocated twice without a free"
+            )
+        if not self.free:
+            raise RuntimeError(
+                f"HiSparse: more than max_num_seqs={self.num_slots} hot regions "
+                "are live"
+            )
+        slot = self.free.pop()
+        self.of_region[region] = slot
+        return slot
+
+    def release(self, region: int) -> int | None:
+        slot = self.of_region.pop(region, None)
+        if slot is not None:
+            self.free.append(slot)
+        return slot
+
+    @property
+    def num_live(self) -> int:
+        return len(self.of_region)
+
+
+class HiSparseRuntime:
+    """GPU LRU state, slots, workspace and the decode-path launches (C7)."""
+
+    def __init__(
+        self,
+        *,
+        geometry: RuntimeGeometry,
+        layers: Sequence[LayerViews],
+        groups: Sequence[IndexGroup],
+        resident_group_ids: Sequence[int],
+        hot_group_ids: Sequence[int],
+        source_group_id: int,
+        tables: BatchState,
+        ops: KernelOps,
+        device: torch.device,
+    ) -> None:
+        self.geometry = geometry
+        self.layers: dict[str, LayerViews] = {lv.name: lv for lv in layers}
+        self.groups = tuple(groups)
+        self.resident_group_ids = tuple(resident_group_ids)
+        self.hot_group_ids = tuple(hot_group_ids)
+        self.source_group_id = source_group_id
+        self.tables = tables
+        self.ops = ops
+        self.device = device
+        g = geometry
+        self.slots = SlotAllocator(g.max_num_seqs)
+        # Block 0 (null) "starts" the region of every request without one:
+        # they share the extra state row S, which the resolver never writes
+        # (all their pages are resident: INV-21, INV-34).
+        self.resident_only_slot = g.max_num_seqs
+        self.region_slot = torch.full(
+            (g.num_gpu_blocks,), -1, dtype=torch.int32, device=device
+        )
+        self.region_slot[0] = self.resident_only_slot
+        self.req_state = torch.full(
+            (g.max_num_seqs,), -1, dtype=torch.int32, device=device
+        )
+        self.row_req = torch.full(
+            (g.max_num_tokens,), -1, dtype=torch.int32, device=device
+        )
+        self.workspace = Workspace.allocate(g.workspace_rows, g.index_topk, device)
+        self._lru_init = torch.arange(
+            g.device_buffer_size, dtype=torch.int16, device=device
+        )
+        self.num_reqs = 0
+        self.num_tokens = 0
+        self.step_active = False
+        self.staged: dict[int, StagedRequest] = {}
+        """Batch row -> staging plan of this step's host-backed prefills."""
+        self.prefill_seq_lens = np.zeros(0, dtype=np.int64)
+
+    # ---------------------------------------------------------- geometry
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    def resident_group(self, layer: LayerViews) -> int:
+        return self.resident_group_ids[layer.pair]
+
+    def hot_group(self, layer: LayerViews) -> int:
+        return self.hot_group_ids[layer.pair]
+
+    @property
+    def has_hot_requests(self) -> bool:
+        return self.slots.num_live > 0
+
+    # ------------------------------------------------------- hot regions
+
+    def apply_hot_regions(self, freed: np.ndarray, allocated: np.ndarray) -> None:
+        """Release the slots of freed regions, then give every new region a
+        freshly reset slot (INV-5, INV-24). Freed first: a block may end one
+        region and start another in the same step."""
+        if freed.size:
+            released = [self.slots.release(int(b)) for b in freed]
+            if any(s is None for s in released):
+                missing = [int(b) for b, s in zip(freed, released) if s is None]
+                raise RuntimeError(f"HiSparse: freed unknown hot regions {missing}")
+            self.region_slot[self._index(freed)] = -1
+        if allocated.size:
+            slots = [self.slots.assign(int(b)) for b in allocated]
+            slot_index = self._index(np.asarray(slots, dtype=np.int64))
+            self.region_slot[self._index(allocated)] = slot_index.to(torch.int32)
+            self.reset_slots(slot_index)
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        """Every slot's dgi row to -1 and lru row to 0..H-1 (4.8 step 1)."""
+        for group in self.groups:
+            group.dgi[slots] = -1
+            group.lru[slots] = self._lru_init
+
+    def reset_all_slots(self) -> None:
+        """Every slot, the resident-only one included."""
+        self.reset_slots(
+            torch.arange(self.geometry.max_num_seqs + 1, device=self.device)
+        )
+
+    def _index(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(
+            self.device, non_blocking=True
+        )
+
+    # -------------------------------------------------- per-step inputs
+
+    def prepare_forward(self, req_id_per_token: torch.Tensor) -> None:
+        """Write this step's kernel inputs, outside any graph (INV-32, F13).
+
+        ``req_id_per_token`` is the attention metadata's batch row of each
+        token; under CUDA-graph padding its tail maps padding tokens to row 0,
+        so only the real tokens are copied and the rest stays -1."""
+        num_reqs = self.num_reqs = self.tables.num_reqs()
+        num_tokens = self.num_tokens = self.tables.num_tokens()
+        self.row_req.fill_(-1)
+        self.row_req[:num_tokens].copy_(req_id_per_token[:num_tokens])
+        self.req_state.fill_(-1)
+        if num_reqs:
+            hot0 = self.tables.device(self.hot_group_ids[0])[:num_reqs, 0]
+            torch.index_select(
+                self.region_slot, 0, hot0.to(torch.int64), out=self.req_state[:num_reqs]
+            )
+        self.step_active = True
+
+    def plan_staging(self, num_decode_reqs: int) -> None:
+        """Staging plans of this step's host-backed prefill requests (C11).
+
+        Prefill rows follow the decode rows; a request needs staging when a
+        context page of it has a null resident entry (vectorised over rows;
+        only the host-backed ones get a per-request plan)."""
+        self.staged = {}
+        n = self.num_reqs
+        self.prefill_seq_lens = np.asarray(
+            self.tables.seq_lens_cpu()[:n], dtype=np.int64
+        )
+        rows = np.arange(num_decode_reqs, n)
+        if rows.size == 0:
+            return
+        b = self.block_size
+        resident = [self.tables.host(gid) for gid in self.resident_group_ids]
+        backed = host_backed_rows(resident[0], rows, self.prefill_seq_lens[rows], b)
+        if backed.size == 0:
+            return
+        source = self.tables.host(self.source_group_id)
+        for row in backed.tolist():
+            self.staged[row] = plan_staged_request(
+                row, int(self.prefill_seq_lens[row]), resident, source, b, self.device
+            )
+
+    def end_forward(self) -> None:
+        """Back to padding, so that a dummy or captured run touches no state."""
+        self.row_req.fill_(-1)
+        self.req_state.fill_(-1)
+        self.step_active = False
+        self.workspace.owner = None
+        self.staged = {}
+
+    # ------------------------------------------------------ decode path
+
+    def decode_rows(
+        self,
+        layer_name: str,
+        num_decode_tokens: int,
+        topk: torch.Tensor,
+        seq_lens: torch.Tensor,
+        source_table: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention rows of the decode tokens of one layer (spec 2.10).
+
+        The leader resolves top-k against the resident table, the hot LRU and
+        the host pool, then gathers its misses; a follower replays its
+        leader's plan with its own views. Fixed shapes, no host sync: safe
+        inside a CUDA graph (INV-32).
+
+        Returns:
+            out_rows int32 [nd, K] (attention row ids, -1 = masked) and
+            valid_counts int32 [nd].
+        """
+        lv = self.layers[layer_name]
+        group = lv.group
+        ws = self.workspace
+        nd = num_decode_tokens
+        g = self.geometry
+        if nd > g.workspace_rows:
+            raise RuntimeError(
+                f"HiSparse: {nd} decode rows exceed the resolver workspace of "
+                f"{g.workspace_rows} rows (min(max_num_batched_tokens, "
+                "max_num_seqs x max_decode_query_len)); F12"
+            )
+        if layer_name == group.leader:
+            rq = seq_lens.shape[0]
+            self.ops.resolve_residency(
+                topk[:nd],
+                self.row_req[:nd],
+                seq_lens,
+                self.req_state[:rq],
+                source_table[:rq],
+                self.tables.device(self.resident_group(lv))[:rq],
+                self.tables.device(self.hot_group(lv))[:rq],
+                group.dgi,
+                group.lru,
+                g.host_rows,
+                g.block_size,
+                g.attention_block_stride,
+                g.max_decode_query_len,
+                ws.out_rows[:nd],
+                ws.valid_counts[:nd],
+                ws.plan_src[:nd],
+                ws.plan_dst[:nd],
+                ws.plan_count[:nd],
+                None,
+                None,
+                group.stats,
+            )
+            ws.owner = group
+        elif ws.owner is not group:
+            raise RuntimeError(
+                f"HiSparse: follower {layer_name} reached without its leader "
+                f"{group.leader}'s plan (spec 2.10)"
+            )
+        self.ops.gather_compact(
+            lv.host, lv.resident, ws.plan_src[:nd], ws.plan_dst[:nd], ws.plan_count[:nd]
+        )
+        return ws.out_rows[:nd], ws.valid_counts[:nd]
+
+    # -------------------------------------------------- hot invalidation
+
+    def invalidate_host_blocks(self, host_blocks: np.ndarray) -> None:
+        """Hot entries keyed by rows of (re)allocated host blocks are stale
+        (4.8 trigger 2). Dropping an entry only costs a later miss, so every
+        slot is checked, not just the scheduled ones."""
+        if not host_blocks.size or not self.has_hot_requests:
+            return
+        b = self.block_size
+        rows = (host_blocks.astype(np.int64)[:, None] * b + np.arange(b)).ravel()
+        keys = self._index(rows).to(torch.int32)
+        for group in self.groups:
+            group.dgi.masked_fill_(torch.isin(group.dgi, keys), -1)
+
+    def invalidate_written(self, num_tokens: int) -> None:
+        """K4 after the forward: hot entries of rows this forward rewrote
+        (4.8 trigger 3), with the source slot mapping (host row per token)."""
+        if not self.has_hot_requests or num_tokens == 0:
+            return
+        written = self.tables.slot_mapping(self.source_group_id)[:num_tokens]
+        token_req = self.row_req[:num_tokens]
+        for group in self.groups:
+            self.ops.invalidate_written_slots(
+                group.dgi, self.req_state, token_req, written
+            )
+
+    # --------------------------------------------------------- metrics
+
+    def stats(self) -> dict[str, int]:
+        """Resolver counters summed over the index groups (synchronizes:
+        tests and periodic logging only, never on the decode path)."""
+        total = torch.zeros(4, dtype=torch.int64)
+        for group in self.groups:
+            total += group.stats.view(torch.int64).cpu()
+        hits, misses, tripped, rejected = (int(x) for x in total.tolist())
+        return {
+            "hits": hits,
+            "misses": misses,
+            "tripped_misses": tripped,
+            "rejected_rows": rejected,
+            "live_hot_regions": self.slots.num_live,
+        }
+
+
+def build_index_groups(
+    sparse_layers: Sequence[str],
+    leaders: Sequence[bool],
+    pair_of_layer: Mapping[str, int],
+    geometry: RuntimeGeometry,
+    device: torch.device,
+) -> list[IndexGroup]:
+    """Index groups in model order: a leader starts one, followers join it
+    (spec 2.10); a group never spans two pairs (INV-11)."""
+    g = geometry
+    groups: list[IndexGroup] = []
+    members: list[list[str]] = []
+    for name, is_leader in zip(sparse_layers, leaders):
+        if is_leader or not members:
+            members.append([])
+        members[-1].append(name)
+    for index, names in enumerate(members):
+        pairs = {pair_of_layer[n] for n in names}
+        if len(pairs) != 1:
+            raise ValueError(
+                f"HiSparse: index group {names} spans resident/hot pairs "
+                f"{sorted(pairs)} "
+                "(INV-11)"
+            )
+        groups.append(
+            IndexGroup(
+                index=index,
+                leader=names[0],
+                layers=tuple(names),
+                pair=pairs.pop(),
+                dgi=torch.full(
+                    (g.max_num_seqs + 1, g.device_buffer_size),
+                    -1,
+                    dtype=torch.int32,
+                    device=device,
+                ),
+                lru=torch.arange(
+                    g.device_buffer_size, dtype=torch.int16, device=device
+                ).repeat(g.max_num_seqs + 1, 1),
+                stats=torch.zeros(4, dtype=torch.uint64, device=device),
+            )
+        )
+    return groups
+
+
+__all__ = [
+    "BatchState",
+    "HiSparseRuntime",
+    "IndexGroup",
+    "KernelOps",
+    "LayerViews",
+    "RuntimeGeometry",
+    "SlotAllocator",
+    "Workspace",
+    "build_index_groups",
+]

@@ -1,0 +1,635 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""C6: the HiSparse worker data plane (spec 2.7, 4.1, 4.3, 4.9-4.12).
+
+It executes the scheduler's per-step command (INV-8: it never interprets a
+request's lifetime) and moves bytes between the device slab and the pinned
+host pool:
+
+- **row mirror** (4.9): every row the forward wrote is copied resident ->
+  host. The rows are exactly the step's slot mappings: resident group j's
+  slot of each token (the row the KV write used) and the source group's slot
+  (host row g = host_block * B + offset). Descriptors (one per token and
+  layer, W bytes) are built on the GPU from those mappings before the
+  forward, so no host sync and no per-token Python is needed, and executed by
+  ``copy_descriptors`` (K5) on the DMA stream. Decode mirrors are 656-B rows:
+  never one copy-engine descriptor per row (4.10).
+- **per-layer submission** (4.10): in a batch that is not pure decode (and
+  so never a FULL-graph replay), the mirror of a resident group's layers is
+  submitted as soon as its last layer has written its KV (``on_kv_written``),
+  pipelining long-prefill mirrors with the remaining layers;
+  ``finish_forward`` submits whatever is left, once, and rejects a partial
+  group.
+- **spills** (4.3): with the eager mirror (default) a spill is a completion
+  barrier recorded on the DMA stream after this step's mirrors (INV-26);
+  with ``eager_host_mirror=false`` decode rows are not mirrored and a spill
+  copies the page of every layer with the copy engines (page-sized
+  descriptors). Prefill rows are always mirrored.
+- **host-write events** (4.11): two events alternate; the compute stream of
+  step t+1 waits for every host write of step t (INV-27), which also keeps
+  the persistent descriptor buffers and any freed-and-reused GPU block from
+  being overwritten under an in-flight copy.
+- **acks** (4.3, F17): a transfer is reported enqueued in the step it was
+  submitted, and completed (by event query, never a wait) in every ack until
+  the scheduler retires it, with the step after whose forward it ran.
+- **CoW** (4.12): host-to-host page copies on the CPU after synchronizing the
+  previous host-write event (a deliberate host sync; v1 never triggers it,
+  prefix hits are block-aligned).
+"""
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
+from vllm.v1.hisparse.runtime import HiSparseRuntime
+
+logger = init_logger(__name__)
+
+DEBUG_ENV = "VLLM_HISPARSE_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """``VLLM_HISPARSE_DEBUG=1``: the mirror audit (spec 6.1; tests only)."""
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+class StreamOps:
+    """The data plane's streams and events.
+
+    On CUDA: the current (compute) stream, a DMA stream and CUDA events. On
+    CPU (tests) every operation runs in program order, events are always
+    complete, and each call is appended to ``log`` so that a test can check
+    the order of waits and records (W-5).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.log: list[tuple[str, ...]] = []
+        self.dma: Any = torch.cuda.Stream(device=device) if self.cuda else "dma"
+
+    def compute(self) -> Any:
+        return torch.cuda.current_stream() if self.cuda else "compute"
+
+    def event(self, name: str = "event") -> Any:
+        return torch.cuda.Event() if self.cuda else _CpuEvent(name)
+
+    def record(self, event: Any, stream: Any) -> None:
+        if self.cuda:
+            event.record(stream)
+        else:
+            event.recorded = True
+            self.log.append(("record", event.name, stream))
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if self.cuda:
+            stream.wait_event(event)
+        else:
+            self.log.append(("wait", stream, event.name))
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query()) if self.cuda else event.recorded
+
+    def synchronize(self, event: Any) -> None:
+        if self.cuda:
+            event.synchronize()
+        else:
+            self.log.append(("synchronize", event.name))
+
+    def on(self, stream: Any):
+        if self.cuda:
+            return torch.cuda.stream(stream)
+        return _CpuStreamContext(self.log, stream)
+
+
+@dataclass
+class _CpuEvent:
+    name: str
+    recorded: bool = False
+
+
+@dataclass
+class _CpuStreamContext:
+    log: list
+    stream: str
+
+    def __enter__(self) -> None:
+        self.log.append(("enter", self.stream))
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.append(("exit", self.stream))
+
+
+class HostWriteEvents:
+    """Two alternating host-write events (spec 4.11, INV-27)."""
+
+    def __init__(self, streams: StreamOps) -> None:
+        self._streams = streams
+        self._events = [streams.event("host_write0"), streams.event("host_write1")]
+        self._recorded = [False, False]
+        self._cur = 0
+
+    @property
+    def current(self) -> Any:
+        return self._events[self._cur]
+
+    def rotate(self) -> None:
+        """At each step start: the previous step's event becomes ``prev`` and
+        the compute stream waits on it."""
+        prev = self._cur
+        self._cur ^= 1
+        self._recorded[self._cur] = False
+        if self._recorded[prev]:
+            self._streams.wait(self._streams.compute(), self._events[prev])
+
+    def record(self, stream: Any) -> None:
+        self._streams.record(self._events[self._cur], stream)
+        self._recorded[self._cur] = True
+
+    def synchronize_previous(self) -> None:
+        """Before a CPU write of host memory (CoW) or a CPU read of it (the
+        debug audit): wait for every host write of the previous step."""
+        prev = self._cur ^ 1
+        if self._recorded[prev]:
+            self._streams.synchronize(self._events[prev])
+
+
+class MirrorPlan:
+    """Row-mirror descriptors built on the device from the slot mappings.
+
+    Layers are ordered by resident group, so a group's descriptors are one
+    contiguous slice ``[first_layer * n, (last_layer + 1) * n)``.
+    """
+
+    def __init__(
+        self,
+        runtime: HiSparseRuntime,
+        slab_ptr: int,
+        layer_order: Sequence[str],
+        device: torch.device,
+    ) -> None:
+        g = runtime.geometry
+        self.runtime = runtime
+        self.layer_order = tuple(layer_order)
+        views = [runtime.layers[name] for name in self.layer_order]
+        self.pair_ranges: list[tuple[int, int]] = []
+        for lv_index, lv in enumerate(views):
+            if not self.pair_ranges or lv.pair != views[self.pair_ranges[-1][0]].pair:
+                self.pair_ranges.append((lv_index, lv_index + 1))
+            else:
+                self.pair_ranges[-1] = (self.pair_ranges[-1][0], lv_index + 1)
+        self.pair_of_range = [views[lo].pair for lo, _ in self.pair_ranges]
+        if len(set(self.pair_of_range)) != len(self.pair_of_range):
+            raise ValueError(
+                "HiSparse: mirror layers must be grouped by resident group"
+            )
+        self.num_layers = len(views)
+        self._pair_of_layer = torch.tensor(
+            [lv.pair for lv in views], dtype=torch.int64, device=device
+        )
+        self._src_base = torch.tensor(
+            [slab_ptr + lv.offset for lv in views], dtype=torch.int64, device=device
+        )
+        self._dst_base = torch.tensor(
+            [lv.host_ptr for lv in views], dtype=torch.int64, device=device
+        )
+        size = self.num_layers * g.max_num_tokens
+        self.src = torch.zeros(size, dtype=torch.int64, device=device)
+        self.dst = torch.zeros(size, dtype=torch.int64, device=device)
+        self.nbytes = torch.zeros(size, dtype=torch.int64, device=device)
+        self.num_rows = 0
+        """Tokens covered by the descriptors built this step."""
+        self.first_token = 0
+
+    def build(self, first_token: int, num_tokens: int) -> int:
+        """Descriptors for tokens [first_token, num_tokens) of this step, on
+        the compute stream. Returns the number of rows per layer."""
+        rt = self.runtime
+        g = rt.geometry
+        n = max(num_tokens - first_token, 0)
+        self.first_token, self.num_rows = first_token, n
+        if n == 0:
+            return 0
+        resident = torch.stack(
+            [
+                rt.tables.slot_mapping(gid)[first_token:num_tokens]
+                for gid in rt.resident_group_ids
+            ]
+        )
+        host = rt.tables.slot_mapping(rt.source_group_id)[first_token:num_tokens]
+        per_layer = resident.index_select(0, self._pair_of_layer)  # [L, n]
+        valid = (per_layer >= 0) & (host >= 0).unsqueeze(0)
+        rows = per_layer.clamp(min=0)
+        src_off = (rows // g.block_size) * g.bytes_per_block + (
+            rows % g.block_size
+        ) * g.row_bytes
+        count = self.num_layers * n
+        torch.add(
+            self._src_base.unsqueeze(1), src_off, out=self.src[:count].view(-1, n)
+        )
+        torch.add(
+            self._dst_base.unsqueeze(1),
+            (host.clamp(min=0) * g.row_bytes).unsqueeze(0),
+            out=self.dst[:count].view(-1, n),
+        )
+        torch.mul(valid, g.row_bytes, out=self.nbytes[:count].view(-1, n))
+        return n
+
+    def slice_of(self, range_index: int) -> slice:
+        lo, hi = self.pair_ranges[range_index]
+        return slice(lo * self.num_rows, hi * self.num_rows)
+
+
+@dataclass
+class _InFlight:
+    event: Any
+    transfer_ids: list[int]
+    step: int
+
+
+@dataclass
+class _StepState:
+    meta: HiSparseStepMetadata
+    has_forward: bool
+    per_layer: bool
+    pending_spills: np.ndarray  # indices into meta's transfer arrays
+    mirrored_ranges: set[int] = field(default_factory=set)
+    marked_layers: set[str] = field(default_factory=set)
+    submitted: bool = False
+    forward_ready: Any = None
+
+
+class HiSparseWorker:
+    """Data plane of one worker rank (C6)."""
+
+    def __init__(
+        self,
+        runtime: HiSparseRuntime,
+        host_pool: Any,
+        *,
+        slab: torch.Tensor,
+        rank: int,
+        eager_host_mirror: bool,
+        streams: StreamOps | None = None,
+        page_copy: Any = None,
+    ) -> None:
+        self.runtime = runtime
+        self.host_pool = host_pool
+        self.slab = slab
+        self.first_layer = next(iter(runtime.layers))
+        """The sparse-MLA layer whose attention metadata describes the batch."""
+        self.rank = rank
+        self.eager_host_mirror = eager_host_mirror
+        device = runtime.device
+        self.streams = streams if streams is not None else StreamOps(device)
+        self._page_copy = page_copy if page_copy is not None else _swap_blocks_batch
+        self.host_write = HostWriteEvents(self.streams)
+        order = sorted(
+            runtime.layers,
+            key=lambda n: (runtime.layers[n].pair, runtime.layers[n].offset),
+        )
+        self.mirror = MirrorPlan(runtime, slab.data_ptr(), order, device)
+        self._layer_range = {
+            name: i
+            for i, (lo, hi) in enumerate(self.mirror.pair_ranges)
+            for name in self.mirror.layer_order[lo:hi]
+        }
+        self._range_layers = [
+            set(self.mirror.layer_order[lo:hi]) for lo, hi in self.mirror.pair_ranges
+        ]
+        self._in_flight: list[_InFlight] = []
+        self._enqueued: dict[int, int] = {}
+        self._completed: dict[int, int] = {}
+        self._cow_done: set[int] = set()
+        self._step: _StepState | None = None
+        self.reused_block_ids = np.zeros(0, dtype=np.int32)
+        """GPU blocks of this step that were unpinned pages (F16), for a
+        connector that loads into GPU blocks off the compute stream."""
+        self._debug = debug_enabled()
+        self._audit: tuple[np.ndarray, np.ndarray] | None = None
+        self.audit_rows_checked = 0
+        self.audit_mismatches = 0
+        self._closed = False
+        g = runtime.geometry
+        self._page_bytes = g.block_size * g.row_bytes
+        _ACTIVE.append(self)
+
+    # ------------------------------------------------------------ W1
+
+    def start_step(
+        self,
+        meta: HiSparseStepMetadata,
+        attn_metadata: Any | None,
+    ) -> None:
+        """Everything before the forward (spec 4.1 W1), outside the model.
+
+        ``attn_metadata`` is the sparse-MLA layers' attention metadata, or
+        None when the step runs no forward (zero scheduled tokens).
+        """
+        streams, rt = self.streams, self.runtime
+        if self._step is not None and self._step.has_forward:
+            raise RuntimeError("HiSparse: a step started before the previous finished")
+        self._retire(meta.retired_transfer_ids)
+        self.host_write.rotate()
+        if self._debug:
+            self._run_audit()
+        if meta.cow_src.size:
+            self._copy_on_write(meta.cow_src, meta.cow_dst)
+        rt.apply_hot_regions(meta.hot_regions_freed, meta.hot_regions_allocated)
+        rt.invalidate_host_blocks(meta.new_source_block_ids)
+        self.reused_block_ids = meta.reused_block_ids
+        restore = meta.transfer_restore.astype(bool)
+        if restore.any():
+            self._restore(meta, np.nonzero(restore)[0])
+        spills = np.nonzero(~restore)[0]
+        has_forward = attn_metadata is not None
+        pure_decode = has_forward and attn_metadata.num_prefills == 0
+        self._step = _StepState(
+            meta=meta,
+            has_forward=has_forward,
+            per_layer=has_forward and not pure_decode,
+            pending_spills=spills,
+        )
+        if not has_forward:
+            # INV-15: a zero-token step still submits its transfers.
+            self._submit_spills(self._step)
+            self.host_write.record(streams.compute())
+            self._step = None
+            return
+        rt.prepare_forward(attn_metadata.req_id_per_token)
+        if attn_metadata.num_prefills:
+            rt.plan_staging(int(attn_metadata.num_decodes))
+        first = 0 if self.eager_host_mirror else int(attn_metadata.num_decode_tokens)
+        self.mirror.build(first, rt.num_tokens)
+
+    # ------------------------------------------------------------ W2
+
+    def on_kv_written(self, layer_name: str) -> None:
+        """A layer wrote this step's KV (per-layer submission, 4.10)."""
+        step = self._step
+        if step is None or not step.per_layer or layer_name not in self._layer_range:
+            return
+        if layer_name in step.marked_layers:
+            raise RuntimeError(f"HiSparse: layer {layer_name} mirrored twice in a step")
+        step.marked_layers.add(layer_name)
+        index = self._layer_range[layer_name]
+        if self._range_layers[index] <= step.marked_layers:
+            self._submit_mirror_range(step, index)
+
+    # ------------------------------------------------------------ W3
+
+    def finish_forward(self) -> None:
+        """After the forward (and the drafter): submit the remaining mirrors,
+        the spills behind them, invalidate written hot entries (4.1 W3)."""
+        step, rt = self._step, self.runtime
+        if step is None:
+            return
+        self._step = None
+        if step.per_layer:
+            partial = [
+                i
+                for i, layers in enumerate(self._range_layers)
+                if i not in step.mirrored_ranges and layers & step.marked_layers
+            ]
+            if partial:
+                raise RuntimeError(
+                    "HiSparse: per-layer mirror submissions covered part of resident "
+                    f"group(s) {partial}; a group's layers are submitted together"
+                )
+        for index in range(len(self.mirror.pair_ranges)):
+            if index not in step.mirrored_ranges:
+                self._submit_mirror_range(step, index)
+        self._submit_spills(step)
+        if step.submitted:
+            self.host_write.record(self.streams.dma)
+        else:
+            self.host_write.record(self.streams.compute())
+        rt.invalidate_written(rt.num_tokens)
+        if self._debug:
+            self._remember_for_audit()
+        rt.end_forward()
+
+    # ----------------------------------------------------------- submit
+
+    def _forward_ready(self, step: _StepState) -> Any:
+        """An event on the compute stream after the layers written so far."""
+        event = self.streams.event("forward_ready")
+        self.streams.record(event, self.streams.compute())
+        step.forward_ready = event
+        return event
+
+    def _submit_mirror_range(self, step: _StepState, index: int) -> None:
+        step.mirrored_ranges.add(index)
+        if self.mirror.num_rows == 0:
+            return
+        ready = self._forward_ready(step)
+        part = self.mirror.slice_of(index)
+        streams = self.streams
+        with streams.on(streams.dma):
+            streams.wait(streams.dma, ready)
+            self.runtime.ops.copy_descriptors(
+                self.mirror.src[part], self.mirror.dst[part], self.mirror.nbytes[part]
+            )
+        step.submitted = True
+
+    def _submit_spills(self, step: _StepState) -> None:
+        spills = step.pending_spills
+        if spills.size == 0:
+            return
+        meta, streams = step.meta, self.streams
+        if not self.eager_host_mirror:
+            ready = step.forward_ready or self._forward_ready(step)
+            src, dst, sizes = self._page_descriptors(
+                meta.transfer_resident_blocks[spills],
+                meta.transfer_host_blocks[spills],
+                to_host=True,
+            )
+            with streams.on(streams.dma):
+                streams.wait(streams.dma, ready)
+                self._page_copy(src, dst, sizes)
+        event = streams.event("transfer")
+        with streams.on(streams.dma):
+            if step.forward_ready is None:
+                # A zero-token step: the barrier still follows every earlier
+                # host write on the DMA stream and this step's compute.
+                streams.wait(streams.dma, self._forward_ready(step))
+            streams.record(event, streams.dma)
+        step.submitted = True
+        ids = [int(t) for t in meta.transfer_ids[spills]]
+        for tid in ids:
+            self._enqueued[tid] = meta.step
+        self._in_flight.append(_InFlight(event, ids, meta.step))
+
+    def _restore(self, meta: HiSparseStepMetadata, indices: np.ndarray) -> None:
+        """Host -> resident copies before the forward, on the compute stream,
+        for every layer (4.13 step 4); completion recorded there too."""
+        src, dst, sizes = self._page_descriptors(
+            meta.transfer_resident_blocks[indices],
+            meta.transfer_host_blocks[indices],
+            to_host=False,
+        )
+        streams = self.streams
+        self._page_copy(src, dst, sizes)
+        event = streams.event("restore")
+        streams.record(event, streams.compute())
+        ids = [int(t) for t in meta.transfer_ids[indices]]
+        for tid in ids:
+            self._enqueued[tid] = meta.step
+        self._in_flight.append(_InFlight(event, ids, meta.step))
+
+    def _page_descriptors(
+        self, resident_blocks: np.ndarray, host_blocks: np.ndarray, to_host: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One page-sized descriptor per (transfer, layer) (4.3 lazy mode)."""
+        rt, g = self.runtime, self.runtime.geometry
+        names = self.mirror.layer_order
+        pairs = np.array([rt.layers[n].pair for n in names], dtype=np.int64)
+        offsets = np.array([rt.layers[n].offset for n in names], dtype=np.int64)
+        host_base = np.array([rt.layers[n].host_ptr for n in names], dtype=np.int64)
+        gpu = (
+            self.slab.data_ptr()
+            + resident_blocks.astype(np.int64)[:, pairs] * g.bytes_per_block
+            + offsets[None, :]
+        )
+        host = (
+            host_base[None, :]
+            + host_blocks.astype(np.int64)[:, None] * self._page_bytes
+        )
+        src, dst = (gpu, host) if to_host else (host, gpu)
+        sizes = np.full(src.shape, self._page_bytes, dtype=np.int64)
+        return tuple(
+            torch.from_numpy(np.ascontiguousarray(a.ravel())) for a in (src, dst, sizes)
+        )
+
+    # -------------------------------------------------------------- CoW
+
+    def _copy_on_write(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Host page copies inside the pool, every layer (4.12 step 5)."""
+        # Deliberate host sync: no CPU write may overlap a host write in flight.
+        self.host_write.synchronize_previous()
+        for name in self.mirror.layer_order:
+            pages = self.host_pool.layer_pages(name)
+            pages[dst] = pages[src]
+        self._cow_done.update(int(d) for d in dst)
+
+    # ------------------------------------------------------------- acks
+
+    def _retire(self, retired: np.ndarray) -> None:
+        for tid in retired.tolist():
+            self._completed.pop(int(tid), None)
+
+    def take_acks(self) -> HiSparseWorkerAck | None:
+        """This step's enqueued transfers and every completed, unretired one
+        (event queries: never a wait)."""
+        still: list[_InFlight] = []
+        for item in self._in_flight:
+            if self.streams.query(item.event):
+                for tid in item.transfer_ids:
+                    self._completed[tid] = item.step
+            else:
+                still.append(item)
+        self._in_flight = still
+        if not (self._enqueued or self._completed or self._cow_done):
+            return None
+        ranks = frozenset((self.rank,))
+        steps = {**self._completed, **self._enqueued}
+        ack = HiSparseWorkerAck(
+            enqueued={tid: ranks for tid in self._enqueued},
+            completed={tid: ranks for tid in self._completed},
+            submitted_step=steps,
+            cow_done=frozenset(self._cow_done),
+        )
+        self._enqueued = {}
+        self._cow_done = set()
+        return ack
+
+    # -------------------------------------------------------- debug audit
+
+    def _remember_for_audit(self) -> None:
+        rt = self.runtime
+        first, n = self.mirror.first_token, self.mirror.num_rows
+        if n == 0:
+            self._audit = None
+            return
+        resident = torch.stack(
+            [
+                rt.tables.slot_mapping(gid)[first : first + n]
+                for gid in rt.resident_group_ids
+            ]
+        )
+        host = rt.tables.slot_mapping(rt.source_group_id)[first : first + n]
+        # Copies: the slot-mapping buffers are rewritten by the next step.
+        self._audit = (resident.cpu().numpy().copy(), host.cpu().numpy().copy())
+
+    def _run_audit(self) -> None:
+        """Host rows written last step equal their resident rows, every layer
+        (the mirror audit of spec 6.1; F1). Debug only: it synchronizes."""
+        if self._audit is None:
+            return
+        self.host_write.synchronize_previous()
+        resident, host = self._audit
+        self._audit = None
+        rt, g = self.runtime, self.runtime.geometry
+        keep = (host >= 0) & (resident >= 0).all(axis=0)
+        if not keep.any():
+            return
+        host_rows = torch.from_numpy(host[keep])
+        for name, lv in rt.layers.items():
+            rows = torch.from_numpy(resident[lv.pair][keep])
+            gpu = lv.resident[rows // g.block_size, rows % g.block_size].cpu()
+            cpu = lv.host[host_rows]
+            bad = (gpu != cpu).any(dim=1)
+            self.audit_rows_checked += int(rows.numel())
+            if bad.any():
+                self.audit_mismatches += int(bad.sum())
+                logger.error(
+                    "HiSparse mirror audit: %d host row(s) of %s differ from their "
+                    "resident rows (first host row %d)",
+                    int(bad.sum()),
+                    name,
+                    int(host_rows[bad][0]),
+                )
+
+    # --------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if self.host_pool is not None:
+            self.host_pool.shutdown()
+
+
+_ACTIVE: list[HiSparseWorker] = []
+
+
+def reused_blocks_this_step() -> np.ndarray:
+    """GPU blocks of the current step that were unpinned pages (F16), for
+    the HiSparse-aware offloader of the same worker process."""
+    return _ACTIVE[-1].reused_block_ids if _ACTIVE else np.zeros(0, dtype=np.int32)
+
+
+def _swap_blocks_batch(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor
+) -> None:
+    """Page-sized copies through the copy engines (one batched driver call)."""
+    from vllm import _custom_ops as ops
+
+    ops.swap_blocks_batch(src, dst, sizes)
+
+
+__all__ = [
+    "HiSparseWorker",
+    "HostWriteEvents",
+    "MirrorPlan",
+    "StreamOps",
+    "debug_enabled",
+    "reused_blocks_this_step",
+]

@@ -1,0 +1,481 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The worker data plane and runtime on CPU (spec 8.1 W-1..W-10).
+
+The real ``HiSparseWorker``/``HiSparseRuntime`` run over a CPU slab and a real
+host pool mapping, with the CPU reference kernels (spec 5.6) and the CPU
+stream stand-in; every byte the mirror, the spills and the resolver move is
+checked against what the "forward" wrote.
+"""
+
+import numpy as np
+import pytest
+import torch
+from worker_harness import (
+    B,
+    W,
+    Batch,
+    ReferenceOps,
+    attn_metadata,
+    fill_pattern,
+    host_pool,
+    tiny_config,
+)
+
+from vllm.v1.hisparse import reference
+from vllm.v1.hisparse.binding import make_runtime
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata
+from vllm.v1.hisparse.worker import HiSparseWorker, reused_blocks_this_step
+
+
+class Rig:
+    """A worker over a CPU slab, a host pool and a batch."""
+
+    def __init__(self, *, freq: int = 1, eager: bool = True, topk: int = 64):
+        self.config = tiny_config(freq=freq, index_topk=topk)
+        self.layout = self.config.layout
+        self.slab = torch.zeros(
+            self.config.num_blocks * self.layout.bytes_per_block, dtype=torch.uint8
+        )
+        self.pool = host_pool(self.config)
+        self.batch = Batch(len(self.layout.kv_cache_groups))
+        self.rt = make_runtime(
+            self.config, self.slab, self.pool, self.batch, ReferenceOps,
+            max_num_seqs=8, max_num_tokens=512,
+        )
+        self.worker = HiSparseWorker(
+            self.rt, self.pool, slab=self.slab, rank=0, eager_host_mirror=eager,
+            page_copy=reference.ref_copy_descriptors,
+        )
+        self.step = 0
+
+    @property
+    def res_ids(self):
+        return list(self.layout.resident_group_ids)
+
+    @property
+    def hot_ids(self):
+        return list(self.layout.hot_group_ids)
+
+    def place(self, row: int, resident: list[int], host: list[int],
+              hot: list[int] | None = None) -> None:
+        """Row ``row``'s tables: resident block b of pair j is 50*j + b
+        (0 stays null), host blocks as given, hot region blocks (+50*j)."""
+        for j, gid in enumerate(self.res_ids):
+            self.batch.set_row(row, gid, [b and 50 * j + b for b in resident])
+        self.batch.set_row(row, self.layout.SOURCE_GROUP_ID, host)
+        for j, gid in enumerate(self.hot_ids):
+            self.batch.set_row(row, gid, [50 * j + b for b in hot or []])
+
+    def meta(self, **fields) -> HiSparseStepMetadata:
+        self.step += 1
+        arrays = {k: np.asarray(v) for k, v in fields.items()}
+        return HiSparseStepMetadata(step=self.step, **arrays)
+
+    def spill(self, tid: int, host_block: int, resident_block: int) -> dict:
+        g = len(self.res_ids)
+        return dict(
+            transfer_ids=np.array([tid], dtype=np.int64),
+            transfer_host_blocks=np.array([host_block], dtype=np.int32),
+            transfer_resident_blocks=np.array(
+                [[50 * j + resident_block for j in range(g)]], dtype=np.int32),
+            transfer_restore=np.array([False]),
+        )
+
+    def run(self, meta, num_decodes: int = 0, num_decode_tokens: int = 0,
+            before_finish=None) -> None:
+        md = attn_metadata(self.batch, num_decodes, num_decode_tokens)
+        self.worker.start_step(meta, md)
+        if before_finish is not None:
+            before_finish()
+        self.worker.finish_forward()
+
+    def resident_row(self, layer: str, row: int) -> torch.Tensor:
+        view = self.rt.layers[layer].resident
+        return view[row // B, row % B]
+
+    def host_row(self, layer: str, g: int) -> torch.Tensor:
+        return self.rt.layers[layer].host[g]
+
+
+def written_rows(rig: Rig, row: int, positions, pair: int):
+    """(resident physical row, host row) of each position of batch row."""
+    res = rig.batch.tables[rig.res_ids[pair]].numpy()[row]
+    src = rig.batch.tables[rig.layout.SOURCE_GROUP_ID].numpy()[row]
+    return [(int(res[p // B]) * B + p % B, int(src[p // B]) * B + p % B)
+            for p in positions]
+
+
+def fill_slab(rig: Rig, seed: int = 0) -> None:
+    fill_pattern(rig.slab, seed)
+
+
+# ---------------------------------------------------------------- mirror
+
+
+def test_mirror_copies_exactly_the_rows_written_this_step():
+    """W-1/W-2, INV-25: every row the forward wrote (positions 60..67, across
+    a page boundary) reaches its host row in every layer; no other host row
+    is touched."""
+    rig = Rig()
+    rig.place(0, resident=[3, 4], host=[5, 6])
+    rig.batch.schedule(computed=[60], scheduled=[8])
+    fill_slab(rig)
+    rig.run(rig.meta())
+    for name, lv in rig.rt.layers.items():
+        pairs = written_rows(rig, 0, range(60, 68), lv.pair)
+        for res, g in pairs:
+            assert torch.equal(rig.host_row(name, g), rig.resident_row(name, res))
+        touched = {g for _, g in pairs}
+        host = lv.host.clone()
+        host[sorted(touched)] = 0
+        assert int(host.count_nonzero()) == 0, name
+
+
+def test_lazy_mode_mirrors_prefill_rows_only():
+    """Spec 4.10 with eager_host_mirror=false: decode rows are not mirrored,
+    prefill rows always are."""
+    rig = Rig(eager=False)
+    rig.place(0, resident=[3], host=[5])
+    rig.place(1, resident=[7, 8], host=[9, 10])
+    rig.batch.schedule(computed=[10, 0], scheduled=[1, 70])
+    fill_slab(rig)
+    rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
+    name = rig.layout.sparse_layers[0]
+    (res, g), = written_rows(rig, 0, [10], 0)
+    assert int(rig.host_row(name, g).count_nonzero()) == 0
+    for res, g in written_rows(rig, 1, range(70), 0):
+        assert torch.equal(rig.host_row(name, g), rig.resident_row(name, res))
+
+
+def test_padding_tokens_are_never_mirrored():
+    """Slot -1 (padding) produces no copy (F13)."""
+    rig = Rig()
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[4])
+    for slots in rig.batch.slots:
+        slots[2:4] = -1
+    fill_slab(rig)
+    rig.run(rig.meta())
+    name = rig.layout.sparse_layers[0]
+    assert int(rig.host_row(name, 5 * B + 1).count_nonzero()) > 0
+    assert int(rig.host_row(name, 5 * B + 2).count_nonzero()) == 0
+
+
+# ----------------------------------------------------------------- spills
+
+
+def test_eager_spill_is_a_completion_barrier_acked_with_its_step():
+    """W-3, 4.3, F17: eager mode copies nothing for a spill; the ack names
+    it enqueued and completed with the step after whose forward it was
+    submitted, and repeats the completion until the scheduler retires it."""
+    rig = Rig()
+    rig.place(0, resident=[3, 4], host=[5, 6])
+    rig.batch.schedule(computed=[127], scheduled=[1])
+    fill_slab(rig)
+    before = rig.host_row(rig.layout.sparse_layers[0], 5 * B).clone()
+    rig.run(rig.meta(**rig.spill(7, host_block=5, resident_block=3)),
+            num_decodes=1, num_decode_tokens=1)
+    assert torch.equal(rig.host_row(rig.layout.sparse_layers[0], 5 * B), before)
+    ack = rig.worker.take_acks()
+    assert ack.enqueued == {7: frozenset({0})}
+    assert ack.completed == {7: frozenset({0})}
+    assert ack.submitted_step == {7: 1}
+    rig.batch.schedule(computed=[128], scheduled=[1])
+    rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
+    again = rig.worker.take_acks()
+    assert again.enqueued == {} and again.completed == {7: frozenset({0})}
+    rig.run(rig.meta(retired_transfer_ids=np.array([7])), num_decodes=1,
+            num_decode_tokens=1)
+    assert 7 not in (rig.worker.take_acks() or type(again)()).completed
+
+
+def test_lazy_spill_copies_the_whole_page_of_every_layer():
+    """W-3 lazy mode: the page of every layer, resident block -> host block."""
+    rig = Rig(eager=False)
+    rig.place(0, resident=[3, 4], host=[5, 6])
+    rig.batch.schedule(computed=[127], scheduled=[1])
+    fill_slab(rig)
+    rig.run(rig.meta(**rig.spill(9, host_block=5, resident_block=3)),
+            num_decodes=1, num_decode_tokens=1)
+    for name, lv in rig.rt.layers.items():
+        res_block = 50 * lv.pair + 3
+        assert torch.equal(lv.host[5 * B:6 * B], lv.resident[res_block]), name
+    assert 9 in rig.worker.take_acks().completed
+
+
+def test_zero_token_step_submits_transfers_and_replays_no_mirror():
+    """W-8, INV-15: a step without a forward submits its transfers and acks
+    them; it never re-runs the previous step's mirror descriptors."""
+    rig = Rig()
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[4])
+    fill_slab(rig, seed=1)
+    rig.run(rig.meta())
+    name = rig.layout.sparse_layers[0]
+    snapshot = rig.rt.layers[name].host.clone()
+    fill_slab(rig, seed=2)  # resident bytes change; nothing may copy them
+    rig.worker.start_step(rig.meta(**rig.spill(3, 5, 3)), None)
+    rig.worker.finish_forward()
+    assert torch.equal(rig.rt.layers[name].host, snapshot)
+    ack = rig.worker.take_acks()
+    assert ack.enqueued == {3: frozenset({0})} and 3 in ack.completed
+
+
+# ------------------------------------------------------- events and order
+
+
+def test_host_write_events_alternate_and_compute_waits_on_the_previous():
+    """W-5, INV-27: each step start makes compute wait on the previous
+    step's host-write event; the two events alternate."""
+    rig = Rig()
+    rig.place(0, resident=[3], host=[5])
+    log = rig.worker.streams.log
+    for _ in range(3):
+        rig.batch.schedule(computed=[0], scheduled=[1])
+        rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
+    waits = [e for e in log if e[0] == "wait" and e[1] == "compute"]
+    records = [e[1] for e in log if e[0] == "record" and e[1].startswith("host")]
+    assert records == ["host_write1", "host_write0", "host_write1"]
+    assert [w[2] for w in waits] == ["host_write1", "host_write0"]
+
+
+def test_copy_on_write_synchronizes_then_copies_every_layer():
+    """W-5/W-13, 4.12: a CoW pair copies the host page of every layer after
+    a CPU wait on the previous host-write event; its ack is the destination."""
+    rig = Rig()
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[1])
+    rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
+    for name, lv in rig.rt.layers.items():
+        fill_pattern(lv.host[8 * B:9 * B], seed=hash(name) % 1000)
+    rig.batch.schedule(computed=[1], scheduled=[1])
+    rig.run(rig.meta(cow_src=np.array([8], dtype=np.int32),
+                     cow_dst=np.array([11], dtype=np.int32)),
+            num_decodes=1, num_decode_tokens=1)
+    for lv in rig.rt.layers.values():
+        assert torch.equal(lv.host[11 * B:12 * B], lv.host[8 * B:9 * B])
+    log = rig.worker.streams.log
+    assert ("synchronize", "host_write1") in log
+    assert rig.worker.take_acks().cow_done == frozenset({11})
+
+
+# ------------------------------------------------------ per-layer mirrors
+
+
+def test_per_layer_submission_mirrors_a_group_once_its_layers_wrote():
+    """W-4, 4.10: in a prefill batch each resident group's mirror is
+    submitted after its last layer's KV write; the rest at finish."""
+    rig = Rig(freq=2)  # pairs: [l0], [l1, l2], [l3]
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[16])
+    fill_slab(rig)
+    layers = rig.layout.sparse_layers
+    md = attn_metadata(rig.batch, 0, 0)
+    rig.worker.start_step(rig.meta(), md)
+    rig.worker.on_kv_written(layers[1])
+    (res, g), = written_rows(rig, 0, [3], 1)
+    assert int(rig.host_row(layers[1], g).count_nonzero()) == 0  # pair incomplete
+    rig.worker.on_kv_written(layers[2])
+    assert torch.equal(rig.host_row(layers[2], g), rig.resident_row(layers[2], res))
+    assert int(rig.host_row(layers[3], g).count_nonzero()) == 0
+    with pytest.raises(RuntimeError, match="twice"):
+        rig.worker.on_kv_written(layers[2])
+    rig.worker.finish_forward()
+    assert torch.equal(rig.host_row(layers[3], g), rig.resident_row(layers[3],
+                                                                     written_rows(rig, 0, [3], 2)[0][0]))
+
+
+def test_partial_group_submission_is_rejected():
+    rig = Rig(freq=2)
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[16])
+    rig.worker.start_step(rig.meta(), attn_metadata(rig.batch, 0, 0))
+    rig.worker.on_kv_written(rig.layout.sparse_layers[1])
+    with pytest.raises(RuntimeError, match="part of resident group"):
+        rig.worker.finish_forward()
+
+
+def test_pure_decode_batches_submit_at_finish_only():
+    rig = Rig(freq=2)
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[5], scheduled=[1])
+    fill_slab(rig)
+    rig.worker.start_step(rig.meta(), attn_metadata(rig.batch, 1, 1))
+    layer = rig.layout.sparse_layers[0]
+    rig.worker.on_kv_written(layer)  # ignored: not per-layer mode
+    (res, g), = written_rows(rig, 0, [5], 0)
+    assert int(rig.host_row(layer, g).count_nonzero()) == 0
+    rig.worker.finish_forward()
+    assert torch.equal(rig.host_row(layer, g), rig.resident_row(layer, res))
+
+
+# ----------------------------------------------------- slots and req_state
+
+
+def test_request_state_follows_hot_regions_and_padding_is_minus_one():
+    """W-7, INV-24, F13: a new hot region gets a freshly reset slot;
+    req_state maps each real row to its slot (the shared resident-only slot
+    without a region, -1 for padding rows); row_req is -1 past the real
+    tokens; a freed region's slot is released."""
+    rig = Rig()
+    rt = rig.rt
+    rig.place(0, resident=[3], host=[5], hot=[20, 21])
+    rig.place(1, resident=[7], host=[9])
+    for group in rt.groups:
+        group.dgi.fill_(1234)
+        group.lru.fill_(7)
+    rig.batch.schedule(computed=[5, 5], scheduled=[1, 1])
+    md = attn_metadata(rig.batch, 2, 2)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20])), md)
+    slot = rt.slots.of_region[20]
+    assert rt.req_state[:3].tolist() == [slot, rt.resident_only_slot, -1]
+    assert rt.row_req[:4].tolist() == [0, 1, -1, -1]
+    for group in rt.groups:
+        assert torch.all(group.dgi[slot] == -1)
+        assert group.lru[slot].tolist() == list(range(rt.geometry.device_buffer_size))
+    rig.worker.finish_forward()
+    assert torch.all(rt.req_state == -1) and torch.all(rt.row_req == -1)
+    rig.worker.start_step(rig.meta(hot_regions_freed=np.array([20])), md)
+    assert rt.slots.num_live == 0 and int(rt.region_slot[20]) == -1
+    rig.worker.finish_forward()
+
+
+# ------------------------------------------------------------ decode path
+
+
+def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
+    """C7/C10 end to end on the references: a request whose page 0 is
+    host-only (null resident entry) and page 1 resident. The leader's rows
+    for page 1 are resident rows; for page 0, hot slots filled from the host
+    rows; the follower replays the plan into its own hot rows (INV-11)."""
+    rig = Rig(freq=2)  # index group of l1 leads l2 (pair 1)
+    rt, layers = rig.rt, rig.layout.sparse_layers
+    rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])
+    for name in layers:
+        fill_pattern(rt.layers[name].host[5 * B:6 * B], seed=len(name) + ord(name[-6]))
+    fill_slab(rig)
+    rig.batch.schedule(computed=[100], scheduled=[1])
+    md = attn_metadata(rig.batch, 1, 1)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20])), md)
+    topk = torch.full((1, 64), -1, dtype=torch.int32)
+    topk[0, :4] = torch.tensor([2, 70, 9, 100], dtype=torch.int32)
+    leader, follower = layers[1], layers[2]
+    rows, counts = rt.decode_rows(leader, 1, topk, md.seq_lens, md.block_table)
+    sa = rt.geometry.attention_block_stride
+    res_block = 50 * 1 + 4
+    assert rows[0, 1] == res_block * sa + 70 - B
+    assert rows[0, 3] == res_block * sa + 100 - B
+    assert int(counts[0]) == 4
+    for k, pos in ((0, 2), (2, 9)):
+        attn_row = int(rows[0, k])
+        block, off = divmod(attn_row, sa)
+        assert block in (70, 71)
+        for name in (leader, follower) if k == 0 else (leader,):
+            lv = rt.layers[name]
+            if name == follower:
+                rt.decode_rows(follower, 1, topk, md.seq_lens, md.block_table)
+            assert torch.equal(lv.resident[block, off], lv.host[5 * B + pos])
+    rig.worker.finish_forward()
+    stats = rt.stats()
+    assert stats["misses"] == 2 and stats["live_hot_regions"] == 1
+
+
+def test_follower_without_its_leaders_plan_is_an_error():
+    rig = Rig(freq=2)
+    rig.place(0, resident=[3], host=[5], hot=[20, 21])
+    rig.batch.schedule(computed=[10], scheduled=[1])
+    md = attn_metadata(rig.batch, 1, 1)
+    rig.worker.start_step(rig.meta(), md)
+    topk = torch.full((1, 64), -1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="without its leader"):
+        rig.rt.decode_rows(rig.layout.sparse_layers[2], 1, topk, md.seq_lens,
+                           md.block_table)
+
+
+def test_all_resident_requests_touch_no_hot_state():
+    """E2E-8 on CPU, INV-34: without null pages every entry resolves to its
+    resident row, no slot exists and nothing is loaded."""
+    rig = Rig()
+    rig.place(0, resident=[3, 4], host=[5, 6])
+    rig.batch.schedule(computed=[100], scheduled=[1])
+    md = attn_metadata(rig.batch, 1, 1)
+    rig.worker.start_step(rig.meta(), md)
+    topk = torch.arange(64, dtype=torch.int32).unsqueeze(0) + 37
+    rows, _ = rig.rt.decode_rows(rig.layout.sparse_layers[0], 1, topk, md.seq_lens,
+                                 md.block_table)
+    sa = rig.rt.geometry.attention_block_stride
+    expect = [(3 if p < B else 4) * sa + p % B for p in range(37, 101)]
+    assert rows[0].tolist() == expect
+    assert int(rig.rt.workspace.plan_count[0]) == 0
+    rig.worker.finish_forward()
+    assert rig.rt.stats()["misses"] == 0
+
+
+# ---------------------------------------------------------- invalidation
+
+
+def test_reallocated_host_blocks_and_rewritten_rows_drop_hot_entries():
+    """4.8 triggers 2 and 3 (INV-41): entries keyed by rows of a
+    reallocated host block, and by host rows this forward wrote, are -1."""
+    rig = Rig()
+    rt = rig.rt
+    rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
+    rig.batch.schedule(computed=[70], scheduled=[1])
+    md = attn_metadata(rig.batch, 1, 1)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20])), md)
+    slot = rt.slots.of_region[20]
+    written_g = 6 * B + 70 - B
+    for group in rt.groups:
+        group.dgi[slot, :3] = torch.tensor([9 * B + 1, written_g, 5 * B + 7])
+    rig.worker.finish_forward()
+    for group in rt.groups:
+        assert group.dgi[slot, :3].tolist() == [9 * B + 1, -1, 5 * B + 7]
+    rig.batch.schedule(computed=[71], scheduled=[1])
+    rig.worker.start_step(rig.meta(new_source_block_ids=np.array([9])), md)
+    rig.worker.finish_forward()
+    for group in rt.groups:
+        assert group.dgi[slot, :3].tolist() == [-1, -1, 5 * B + 7]
+
+
+def test_reused_blocks_are_published_for_the_offloader():
+    """F16: the step's reused GPU blocks reach the HiSparse-aware offloader."""
+    rig = Rig()
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[1])
+    rig.worker.start_step(rig.meta(reused_block_ids=np.array([42, 43])),
+                          attn_metadata(rig.batch, 1, 1))
+    assert reused_blocks_this_step().tolist() == [42, 43]
+    rig.worker.finish_forward()
+
+
+# ------------------------------------------------------------ debug audit
+
+
+def test_mirror_audit_checks_every_written_row(monkeypatch):
+    """Spec 6.1 / F1: with VLLM_HISPARSE_DEBUG=1 the next step compares every
+    host row written last step with its resident row, in every layer."""
+    monkeypatch.setenv("VLLM_HISPARSE_DEBUG", "1")
+    rig = Rig()
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[8])
+    fill_slab(rig)
+    rig.run(rig.meta())
+    rig.batch.schedule(computed=[8], scheduled=[1])
+    rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
+    assert rig.worker.audit_rows_checked == 8 * 4
+    assert rig.worker.audit_mismatches == 0
+    rig.rt.layers[rig.layout.sparse_layers[0]].host[5 * B + 8, 0] ^= 0xFF
+    rig.batch.schedule(computed=[9], scheduled=[1])
+    rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
+    assert rig.worker.audit_mismatches == 1
+
+
+def test_workspace_overflow_is_an_error():
+    """F12: more decode rows than the workspace holds fail loudly."""
+    rig = Rig()
+    topk = torch.full((9, 64), -1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="exceed the resolver workspace"):
+        rig.rt.decode_rows(rig.layout.sparse_layers[0], 9, topk,
+                           torch.zeros(9, dtype=torch.int32),
+                           torch.zeros((9, 4), dtype=torch.int32))
+    assert W == 656

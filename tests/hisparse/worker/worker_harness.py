@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU plumbing for the worker-side tests (spec 8.1 W-tests).
+
+The real runtime, worker and binding code run over CPU tensors: a CPU slab
+laid out by the real layout builder, a real ``HostPool`` (an anonymous
+mapping; only the CUDA registration is replaced by a recorder), the CPU
+reference kernels of ``vllm.v1.hisparse.reference`` (the kernels' oracles,
+spec 5.6) and the CPU stand-in of the data plane's streams, which runs every
+copy in program order and records each wait/record for order checks.
+
+``Batch`` stands in for the runner's persistent batch: per-group block
+tables (a torch tensor and a numpy view of the same memory, as the runner's
+``CpuGpuBuffer``) and slot mappings computed the way the runner's kernel
+does (slot = table[row, pos // B] * B + pos % B, -1 past the real tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm.v1.hisparse import reference
+from vllm.v1.hisparse.host_pool import HostPool, HostRegistrar
+from vllm.v1.hisparse.layout import (
+    HiSparseKVCacheConfig,
+    HiSparseParams,
+    build_hisparse_kv_cache_config,
+    build_hisparse_layout,
+    plan_host_pool,
+)
+from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+
+B = 64
+W = 656
+
+
+class ReferenceOps:
+    """The five ops with the launchers' signatures, on the CPU references."""
+
+    @staticmethod
+    def resolve_residency(*args, num_gpu_blocks=None, **kwargs):
+        reference.ref_resolve(*args, **kwargs)
+
+    gather_compact = staticmethod(reference.ref_gather_compact)
+
+    @staticmethod
+    def gather_plan(src, dst, src_rows, dst_rows, mask, req_state=None,
+                    out_rows=None, attn_block_stride=None):
+        reference.ref_gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
+                                  out_rows, attn_block_stride or dst.shape[1])
+
+    invalidate_written_slots = staticmethod(reference.ref_invalidate)
+    copy_descriptors = staticmethod(reference.ref_copy_descriptors)
+
+
+@dataclass
+class RecordingRegistrar:
+    """A HostRegistrar that records calls (and can fail on demand)."""
+
+    fail_register_at: int | None = None
+    fail_unregister_at: int | None = None
+    sync_raises: bool = False
+    calls: list[tuple] = field(default_factory=list)
+
+    def registrar(self) -> HostRegistrar:
+        def register(ptr: int, size: int) -> int:
+            self.calls.append(("register", ptr, size))
+            n = sum(c[0] == "register" for c in self.calls)
+            return 1 if self.fail_register_at == n else 0
+
+        def unregister(ptr: int) -> int:
+            self.calls.append(("unregister", ptr))
+            n = sum(c[0] == "unregister" for c in self.calls)
+            return 700 if self.fail_unregister_at == n else 0
+
+        def synchronize() -> None:
+            self.calls.append(("synchronize",))
+            if self.sync_raises:
+                raise RuntimeError("CUDA error: an illegal memory access")
+
+        return HostRegistrar(register, unregister, synchronize)
+
+
+def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
+                num_gpu_blocks: int = 256, num_host_blocks: int = 64,
+                device_buffer_size: int | None = None,
+                registration_chunk_bytes: int | None = None
+                ) -> HiSparseKVCacheConfig:
+    """A per-worker HiSparse config of a tiny GLM-5-architecture model (real
+    MLA/indexer dims, fp8_ds_mla rows) from the real layout builder."""
+    hf = {"num_hidden_layers": num_layers, "kv_lora_rank": 512,
+          "qk_rope_head_dim": 64, "index_head_dim": 128,
+          "index_topk": index_topk, "index_topk_freq": freq}
+    specs = kv_cache_specs_from_hf_config(hf, block_size=B)
+    params = HiSparseParams(
+        index_topk=index_topk, max_decode_query_len=1,
+        device_buffer_size=device_buffer_size or 2 * index_topk,
+        admission_max_tokens=256, host_pool_bytes=0)
+    layout = build_hisparse_layout(specs, params)
+    params = dataclasses.replace(
+        params, host_pool_bytes=num_host_blocks * layout.host_block_stride(False))
+    if registration_chunk_bytes is not None:
+        params = dataclasses.replace(
+            params, registration_chunk_bytes=registration_chunk_bytes)
+    return build_hisparse_kv_cache_config(
+        layout, num_gpu_blocks, plan_host_pool(layout, params))
+
+
+class Batch:
+    """The runner's persistent batch, as the runtime reads it (BatchState)."""
+
+    def __init__(self, num_groups: int, max_reqs: int = 8,
+                 max_blocks: int = 32, max_tokens: int = 512) -> None:
+        self.tables = [torch.zeros((max_reqs, max_blocks), dtype=torch.int32)
+                       for _ in range(num_groups)]
+        self.slots = [torch.full((max_tokens,), -1, dtype=torch.int64)
+                      for _ in range(num_groups)]
+        self.computed = np.zeros(0, dtype=np.int64)
+        self.scheduled = np.zeros(0, dtype=np.int64)
+
+    # BatchState
+    def device(self, group_id: int) -> torch.Tensor:
+        return self.tables[group_id]
+
+    def host(self, group_id: int) -> np.ndarray:
+        return self.tables[group_id].numpy()
+
+    def slot_mapping(self, group_id: int) -> torch.Tensor:
+        return self.slots[group_id]
+
+    def num_reqs(self) -> int:
+        return int(self.computed.size)
+
+    def num_tokens(self) -> int:
+        return int(self.scheduled.sum())
+
+    def seq_lens_cpu(self) -> np.ndarray:
+        return self.computed + self.scheduled
+
+    # test setup
+    def set_row(self, row: int, group_id: int, blocks: list[int]) -> None:
+        self.tables[group_id][row].zero_()
+        self.tables[group_id][row, : len(blocks)] = torch.tensor(
+            blocks, dtype=torch.int32)
+
+    def schedule(self, computed: list[int], scheduled: list[int]) -> None:
+        """This step: row i computes tokens [computed[i], +scheduled[i])."""
+        self.computed = np.asarray(computed, dtype=np.int64)
+        self.scheduled = np.asarray(scheduled, dtype=np.int64)
+        positions = np.concatenate([np.arange(c, c + s) for c, s in
+                                    zip(computed, scheduled)]).astype(np.int64)
+        rows = np.repeat(np.arange(len(computed)), scheduled)
+        for table, slots in zip(self.tables, self.slots):
+            slots.fill_(-1)
+            blocks = table.numpy()[rows, positions // B].astype(np.int64)
+            slots[: positions.size] = torch.from_numpy(blocks * B + positions % B)
+
+    def req_id_per_token(self) -> torch.Tensor:
+        """As the FlashMLA metadata builder fills it: padding -> row 0."""
+        out = torch.zeros(self.slots[0].shape[0], dtype=torch.int32)
+        rows = np.repeat(np.arange(self.num_reqs()), self.scheduled)
+        out[: rows.size] = torch.from_numpy(rows.astype(np.int32))
+        return out
+
+
+def host_pool(config: HiSparseKVCacheConfig,
+              recorder: RecordingRegistrar | None = None) -> HostPool:
+    recorder = recorder or RecordingRegistrar()
+    return HostPool(config.host_pool, recorder.registrar())
+
+
+def attn_metadata(batch: Batch, num_decodes: int, num_decode_tokens: int):
+    """The sparse-MLA layers' attention metadata fields the worker reads,
+    in vLLM's own FlashMLASparseMetadata."""
+    from vllm.v1.attention.backends.mla.flashmla_sparse import (
+        FlashMLASparseMetadata,
+    )
+
+    n = batch.num_reqs()
+    return FlashMLASparseMetadata(
+        num_reqs=n, max_query_len=int(batch.scheduled.max()),
+        max_seq_len=int(batch.seq_lens_cpu().max()),
+        num_actual_tokens=batch.num_tokens(),
+        query_start_loc=torch.zeros(n + 1, dtype=torch.int32),
+        slot_mapping=batch.slots[0], block_table=batch.tables[0][:n],
+        req_id_per_token=batch.req_id_per_token(),
+        seq_lens=torch.from_numpy(batch.seq_lens_cpu().astype(np.int32)),
+        num_decodes=num_decodes, num_prefills=n - num_decodes,
+        num_decode_tokens=num_decode_tokens)
+
+
+def fill_pattern(view: torch.Tensor, seed: int) -> None:
+    """Distinct bytes per (view, row): view[..] = f(seed, row, byte)."""
+    g = torch.Generator().manual_seed(seed)
+    view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=g))

@@ -185,7 +185,7 @@ def make_scheduler(
         async_scheduling=async_scheduling,
         watermark=0.0,
     )
-    cache_config = CacheConfig(block_size=B, enable_prefix_caching=True)
+    cache_config = CacheConfig(block_size=B, enable_prefix_caching=True, cache_dtype="fp8")
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     vllm_config = VllmConfig(
         model_config=model_config,

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Write a tiny GLM-5-architecture (GlmMoeDsaForCausalLM) model directory.
+
+config.json + an offline WordLevel tokenizer (spec 8.4). Weights are not
+written here: the e2e driver loads vLLM's dummy weights and re-initialises
+every matrix N(0, 0.02) with a fixed seed (both arms get identical bytes;
+the dummy weights alone are degenerate, targets T1), and can save them as a
+sharded-state checkpoint for `vllm serve`. MLA and indexer dims are GLM-5's
+(kv_lora_rank 512 + rope 64 = 576, index head dim 128): the FlashMLA sparse
+kernels hard-code them.
+
+usage: python3 make_tiny_glm5.py OUTDIR [--topk 256] [--heads 64]
+           [--layers 4] [--index-topk-freq 1]
+Adapted from the team's shared device recipe (shared/device/make_tiny_glm5.py).
+"""
+import argparse, json, os
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("--topk", type=int, default=256)
+ap.add_argument("--heads", type=int, default=64)
+ap.add_argument("--layers", type=int, default=4)
+ap.add_argument("--hidden", type=int, default=1024)
+ap.add_argument("--vocab", type=int, default=8192)
+ap.add_argument("--max-pos", type=int, default=16384)
+ap.add_argument("--index-topk-freq", type=int, default=1,
+                help="IndexShare: >1 makes some layers reuse the previous top-k")
+a = ap.parse_args()
+os.makedirs(a.out, exist_ok=True)
+
+cfg = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "dtype": "bfloat16",
+    "vocab_size": a.vocab,
+    "hidden_size": a.hidden,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": a.layers,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": a.heads,
+    "num_key_value_heads": a.heads,
+    "q_lora_rank": 512,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "head_dim": 64,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "moe_layer_freq": 1,
+    "hidden_act": "silu",
+    "max_position_embeddings": a.max_pos,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "rope_interleave": True,
+    "index_topk": a.topk,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "indexer_rope_interleave": True,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 1,
+    "num_nextn_predict_layers": 0,
+}
+if a.index_topk_freq > 1:
+    cfg["index_topk_freq"] = a.index_topk_freq
+json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=1)
+
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+vocab = {"<unk>": 0, "<eos>": 1}
+for i in range(2, a.vocab):
+    vocab[f"w{i}"] = i
+tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+tok.save(os.path.join(a.out, "tokenizer.json"))
+json.dump(
+    {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "eos_token": "<eos>",
+        "bos_token": "<unk>",
+        "pad_token": "<eos>",
+        "model_max_length": a.max_pos,
+    },
+    open(os.path.join(a.out, "tokenizer_config.json"), "w"),
+)
+print("wrote", a.out, json.dumps({k: cfg.get(k) for k in (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "index_topk",
+    "index_topk_freq", "n_routed_experts")}))

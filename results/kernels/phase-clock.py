@@ -44,7 +44,8 @@ def run_child() -> None:
                         dgi, lru, out)
         torch.cuda.synchronize()
         print(f"=== {scenario}", flush=True)
-        resolve(*layout.args(scenario, topks[-1], dgi, lru, out))
+        resolve(*layout.args(scenario, topks[-1], dgi, lru, out),
+                **layout.kwargs())
         torch.cuda.synchronize()
         print("=== end", flush=True)
 

@@ -12,11 +12,12 @@ STABLE_TORCH_LIBRARY(hisparse_ops, m) {
   m.def(
       "resolve_residency(Tensor topk, Tensor row_req, Tensor seq_lens, "
       "Tensor req_state, Tensor src_bt, Tensor res_bt, Tensor hot_bt, "
-      "Tensor(a!) dgi, Tensor(b!) lru, int host_rows, int block_size, "
-      "int attn_block_stride, int max_query_len, Tensor(c!) out_rows, "
-      "Tensor(d!) valid_counts, Tensor(e!) plan_src, Tensor(f!) plan_dst, "
-      "Tensor(g!) plan_count, Tensor(h!)? miss_mask=None, "
-      "Tensor(i!)? resolved_g=None, Tensor(j!)? stats=None) -> ()");
+      "Tensor(a!) dgi, Tensor(b!) lru, int host_rows, int num_gpu_blocks, "
+      "int block_size, int attn_block_stride, int max_query_len, "
+      "Tensor(c!) out_rows, Tensor(d!) valid_counts, Tensor(e!) plan_src, "
+      "Tensor(f!) plan_dst, Tensor(g!) plan_count, "
+      "Tensor(h!)? miss_mask=None, Tensor(i!)? resolved_g=None, "
+      "Tensor(j!)? stats=None) -> ()");
   m.def(
       "gather_compact(Tensor src, Tensor(a!) dst, Tensor plan_src, "
       "Tensor plan_dst, Tensor plan_count) -> ()");

@@ -159,8 +159,9 @@ struct ResolveArgs {
   int64_t hot_width;
   int64_t num_states;           // S
   int64_t host_rows;
-  int64_t attn_stride;          // Sa
+  int32_t attn_stride;          // Sa (< 2^31: INV-14 check at launch)
   int64_t max_query_len;        // q
+  uint32_t gpu_blocks_m1;       // N_gpu - 1: valid GPU block ids are [1, N_gpu)
   int32_t hot_size;             // H
   int32_t block_size;           // B
   int32_t block_shift;          // log2(B) when B is a power of two, else -1
@@ -364,12 +365,25 @@ __device__ __forceinline__ uint32_t mod_block(uint32_t x,
                             : x % static_cast<uint32_t>(a.block_size);
 }
 
-// Attention ids are non-negative int32; an id that would not be one (only
-// possible when INV-14's startup range check was bypassed) resolves to -1.
-__device__ __forceinline__ int32_t checked_hma(int64_t block, int64_t offset,
-                                               int64_t sa) {
-  const int32_t id = hma_row(block, offset, sa);
-  return id < 0 ? -1 : id;
+// F18: the row id block*stride + offset of a GPU block (resident or hot
+// table; stride Sa for attention ids, B for plan rows), or -1 when the
+// block id is outside [1, N_gpu) (0 is the null block) or the id is not a
+// non-negative int32. The product is formed in 64 bits (one widening
+// multiply) and range checked before the cast, so it never wraps into a
+// plausible row. The multiply is unsigned: a block that passes the range
+// test is positive, so its unsigned and signed products agree. With the
+// launch check N_gpu * max(Sa, B) < 2^31 (INV-14) a valid block always
+// fits; the 64-bit test guards a bypassed check. `&` instead of `&&` keeps
+// the compiler from branching.
+__device__ __forceinline__ int32_t checked_row(int32_t block, uint32_t offset,
+                                               int32_t stride,
+                                               const ResolveArgs& a) {
+  const uint32_t b = static_cast<uint32_t>(block);
+  const uint64_t id =
+      static_cast<uint64_t>(b) * static_cast<uint32_t>(stride) + offset;
+  const bool ok = (b - 1u < a.gpu_blocks_m1) &
+                  (id <= static_cast<uint64_t>(INT32_MAX));
+  return ok ? static_cast<int32_t>(id) : -1;
 }
 
 // Sum over the block of popc(words[i]) for i < upto and for all i < nwords,
@@ -438,6 +452,7 @@ __device__ bool classify_entries(const ResolveArgs& a, const Group& g,
   const int K = static_cast<int>(a.top_k);
   bool pending = false;
   int created_keys = 0;
+  int res_trips = 0;  // resident-table entries with an invalid block id
 #if HISPARSE_FIRST_PLAIN
   bool dup_refs = false;
 #endif
@@ -460,9 +475,13 @@ __device__ bool classify_entries(const ResolveArgs& a, const Group& g,
         int32_t out = -1;
         if (p >= 0 && p < g.seq_len) {
           const uint32_t off = mod_block(static_cast<uint32_t>(p), a);
-          if (b.rb[j] > 0) {
-            out = checked_hma(b.rb[j], off, a.attn_stride);
+          if (b.rb[j] != 0) {
+            // F18: a resident id outside [1, N_gpu) (or whose id does not
+            // fit int32) is tripped: -1, and never pending either (the
+            // page's host copy need not be current while it is resident).
+            out = checked_row(b.rb[j], off, a.attn_stride, a);
             code = out >= 0 ? kCodeResident : kCodeInvalid;
+            res_trips += out < 0;
           } else {
             const int64_t key =
                 static_cast<int64_t>(b.sb[j]) * a.block_size + off;
@@ -509,6 +528,10 @@ __device__ bool classify_entries(const ResolveArgs& a, const Group& g,
   }
   const int w = __reduce_add_sync(0xffffffffu, created_keys);
   if ((threadIdx.x & 31) == 0 && w != 0) atomicAdd(&s.ctr[kCtrUnion], w);
+  if (__any_sync(0xffffffffu, res_trips != 0)) {  // corrupted tables only
+    const int t = __reduce_add_sync(0xffffffffu, res_trips);
+    if ((threadIdx.x & 31) == 0) atomicAdd(&s.ctr[kCtrTrips], t);
+  }
 #if HISPARSE_FIRST_PLAIN
   if (__ballot_sync(0xffffffffu, dup_refs) != 0 && (threadIdx.x & 31) == 0) {
     atomicOr(&s.ctr[kCtrDupRefs], 1);
@@ -840,15 +863,23 @@ __device__ void assign_misses(const ResolveArgs& a, const Group& g,
       const int32_t key = s.hash_keys[code];
       const int64_t pe = g.row0 * a.top_k + m;  // row0 + m/K, col m%K
       a.plan_src[pe] = key;
-      uint32_t v;
+      const uint32_t us = static_cast<uint32_t>(slot);
+      int32_t dst = -1;
       if (slot >= 0 && slot < H) {
+        // F18: the victim's hot block must be a valid GPU block and both
+        // of its row ids must fit int32, else the miss is tripped.
+        const int32_t blk = hot_row[div_block(us, a)];
+        const uint32_t off = mod_block(us, a);
+        if (checked_row(blk, off, a.attn_stride, a) >= 0) {
+          dst = checked_row(blk, off, a.block_size, a);
+        }
+      }
+      uint32_t v;
+      if (dst >= 0) {
         dgi_row[slot] = key;
-        const uint32_t us = static_cast<uint32_t>(slot);
-        a.plan_dst[pe] = static_cast<int32_t>(
-            static_cast<int64_t>(hot_row[div_block(us, a)]) * a.block_size +
-            mod_block(us, a));
+        a.plan_dst[pe] = dst;
         v = (us << 16) | kMissBit | f;
-      } else {  // tripwire 2: never index dgi or the hot cache with it
+      } else {  // tripwire 2 / F18: never index dgi or the hot cache with it
         a.plan_dst[pe] = -1;
         v = (kNone16 << 16) | kMissBit | f;
         atomicAdd(&s.ctr[kCtrTrips], 1);
@@ -874,6 +905,7 @@ __device__ void emit_entries(const ResolveArgs& a, const Group& g,
   }
   const int32_t* hot_row = a.hot_bt + g.req * a.hot_width;
   const int K = static_cast<int>(a.top_k);
+  int trips = 0;  // hit references whose hot block is invalid (F18)
   for (int i = 0; i < g.n; ++i) {
     const int64_t e0 = (g.row0 + i) * a.top_k;
     int count = 0;
@@ -906,10 +938,16 @@ __device__ void emit_entries(const ResolveArgs& a, const Group& g,
         }
         int32_t out = -1, key = -1, miss = 0;
         if (slot[j] != kNone16) {
-          out = checked_hma(block[j], mod_block(slot[j], a), a.attn_stride);
-          key = s.hash_keys[code[j]];
+          // F18: a hit whose slot's hot block is invalid cannot be read: -1
+          // (it stays a hit for the LRU; each such reference is a trip). A
+          // miss that got a slot passed the same check on the same block in
+          // phase 4, so its out >= 0 and miss needs no gating.
+          out = checked_row(block[j], mod_block(slot[j], a), a.attn_stride,
+                            a);
+          key = out >= 0 ? s.hash_keys[code[j]] : -1;
           miss = (v[j] & kMissBit) != 0 &&
                  (v[j] & kFirstMask) == static_cast<uint32_t>(i * K + k);
+          trips += static_cast<uint32_t>(out) >> 31;
         }
         a.out_rows[e0 + k] = out;
         if (a.miss_mask != nullptr) a.miss_mask[e0 + k] = miss;
@@ -921,6 +959,10 @@ __device__ void emit_entries(const ResolveArgs& a, const Group& g,
     if ((threadIdx.x & 31) == 0 && w != 0) {
       atomicAdd(&s.filter[i], static_cast<uint32_t>(w));
     }
+  }
+  if (__any_sync(0xffffffffu, trips != 0)) {  // corrupted hot table only
+    const int t = __reduce_add_sync(0xffffffffu, trips);
+    if ((threadIdx.x & 31) == 0) atomicAdd(&s.ctr[kCtrTrips], t);
   }
   __syncthreads();
 }
@@ -1029,6 +1071,12 @@ __global__ void __launch_bounds__(kResolveThreads, HISPARSE_MIN_BLOCKS)
     for (int i = threadIdx.x; i < g.n; i += kResolveThreads) {
       a.valid_counts[g.row0 + i] = static_cast<int32_t>(s.filter[i]);
       a.plan_count[g.row0 + i] = 0;
+    }
+    // Tripped resident ids (F18) still reach the debug counter.
+    if (threadIdx.x == 0 && a.stats != nullptr && a.stats_len >= 3 &&
+        s.ctr[kCtrTrips] != 0) {
+      atomicAdd(&a.stats[2],
+                static_cast<unsigned long long>(s.ctr[kCtrTrips]));
     }
     return;  // INV-34: dgi and lru untouched
   }
@@ -1183,8 +1231,9 @@ void resolve_residency(const Tensor& topk, const Tensor& row_req,
                        const Tensor& seq_lens, const Tensor& req_state,
                        const Tensor& src_bt, const Tensor& res_bt,
                        const Tensor& hot_bt, Tensor dgi, Tensor lru,
-                       int64_t host_rows, int64_t block_size,
-                       int64_t attn_block_stride, int64_t max_query_len,
+                       int64_t host_rows, int64_t num_gpu_blocks,
+                       int64_t block_size, int64_t attn_block_stride,
+                       int64_t max_query_len,
                        Tensor out_rows, Tensor valid_counts, Tensor plan_src,
                        Tensor plan_dst, Tensor plan_count,
                        std::optional<Tensor> miss_mask,
@@ -1205,6 +1254,16 @@ void resolve_residency(const Tensor& topk, const Tensor& row_req,
   STD_TORCH_CHECK(host_rows >= 0 && host_rows <= INT32_MAX,
                   "host_rows must be in [0, 2^31) (INV-14; found ", host_rows,
                   ")");
+  // F18 / INV-14: block ids are checked against N_gpu, and every row id of
+  // a valid block (block * max(Sa, B) + offset) then fits int32.
+  STD_TORCH_CHECK(num_gpu_blocks >= 1, "num_gpu_blocks must be >= 1 (found ",
+                  num_gpu_blocks, ")");
+  const int64_t row_stride =
+      attn_block_stride > block_size ? attn_block_stride : block_size;
+  STD_TORCH_CHECK(num_gpu_blocks <= INT32_MAX / row_stride,
+                  "num_gpu_blocks x max(attn_block_stride, block_size) must "
+                  "be < 2^31 (INV-14; found ", num_gpu_blocks, " x ",
+                  row_stride, ")");
   STD_TORCH_CHECK(max_query_len >= 1, "max_query_len must be >= 1");
   STD_TORCH_CHECK(sh.hot_size >= 1 && sh.hot_size <= kMaxHotSize,
                   "dgi.size(1) (device_buffer_size) must be in [1, 32768] "
@@ -1257,8 +1316,9 @@ void resolve_residency(const Tensor& topk, const Tensor& row_req,
   a.hot_width = hot_bt.size(1);
   a.num_states = sh.states;
   a.host_rows = host_rows;
-  a.attn_stride = attn_block_stride;
+  a.attn_stride = static_cast<int32_t>(attn_block_stride);  // checked above
   a.max_query_len = max_query_len;
+  a.gpu_blocks_m1 = static_cast<uint32_t>(num_gpu_blocks - 1);
   a.hot_size = static_cast<int32_t>(sh.hot_size);
   a.block_size = static_cast<int32_t>(block_size);
   a.block_shift = (block_size & (block_size - 1)) == 0

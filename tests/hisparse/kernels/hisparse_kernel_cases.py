@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Builders shared by the kernel tests: resolver cases, a seeded fuzzer that
 produces realistic and hostile inputs (padding, -1 and stale positions, null
-pages, MTP unions, corrupted state), gather plans, and exact comparison.
+pages, MTP unions, corrupted state and block tables), the F18 hand cases,
+gather plans, and exact comparison.
 
 A case holds CPU tensors; ``ResolveCase.to(device)`` clones it so the op and
 the reference each run on their own copy of identical inputs and outputs.
@@ -43,6 +44,7 @@ class ResolveCase:
     block_size: int
     attn_block_stride: int
     max_query_len: int
+    num_gpu_blocks: int  # N_gpu: resident/hot block ids are valid in [1, N)
     out_rows: torch.Tensor = None
     valid_counts: torch.Tensor = None
     plan_src: torch.Tensor = None
@@ -81,12 +83,23 @@ class ResolveCase:
         return ResolveCase(**moved)
 
     def args(self) -> tuple:
+        """Positional arguments of the launcher and of ref_resolve (both
+        also take ``num_gpu_blocks`` by keyword: ``kwargs()``)."""
         return (self.topk, self.row_req, self.seq_lens, self.req_state,
                 self.src_bt, self.res_bt, self.hot_bt, self.dgi, self.lru,
                 self.host_rows, self.block_size, self.attn_block_stride,
                 self.max_query_len, self.out_rows, self.valid_counts,
                 self.plan_src, self.plan_dst, self.plan_count,
                 self.miss_mask, self.resolved_g, self.stats)
+
+    def kwargs(self) -> dict:
+        return {"num_gpu_blocks": self.num_gpu_blocks}
+
+    def op_args(self) -> tuple:
+        """Arguments of torch.ops.hisparse_ops.resolve_residency, whose
+        schema takes num_gpu_blocks right after host_rows."""
+        a = self.args()
+        return a[:10] + (self.num_gpu_blocks,) + a[10:]
 
     @property
     def stat_values(self) -> list[int]:
@@ -95,7 +108,13 @@ class ResolveCase:
 
 def run_reference(case: ResolveCase) -> ResolveCase:
     from vllm.v1.hisparse import reference
-    reference.ref_resolve(*case.args())
+    reference.ref_resolve(*case.args(), **case.kwargs())
+    return case
+
+
+def run_kernel(kernels, case: ResolveCase) -> ResolveCase:
+    """The launcher (``vllm.v1.hisparse.kernels``) on a CUDA case."""
+    kernels.resolve_residency(*case.args(), **case.kwargs())
     return case
 
 
@@ -150,6 +169,7 @@ class FuzzSpec:
     dup_frac: float = 0.05  # repeated positions within a row
     host_overflow: bool = True  # some host blocks past host_rows
     corrupt: bool = False
+    corrupt_tables: bool = False  # F18: bad resident/hot block ids per step
     groups_full: bool = False  # every request uses max_query_len rows
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -185,7 +205,8 @@ class ResolveFuzzer:
         self.host_rows = n_host * self.B
         host_ids = list(range(1, n_host + (4 if s.host_overflow else 0)))
         rng.shuffle(host_ids)
-        gpu_ids = list(range(1, R * (pages + hot_w) + 16))
+        self.num_gpu_blocks = R * (pages + hot_w) + 16
+        gpu_ids = list(range(1, self.num_gpu_blocks))
         rng.shuffle(gpu_ids)
         self.seq_lens = torch.zeros(R, dtype=torch.int32)
         # The resident table is sometimes narrower than the context so the
@@ -279,9 +300,12 @@ class ResolveFuzzer:
             hot_bt=self.hot_bt.clone(), dgi=self.dgi.clone(),
             lru=self.lru.clone(), host_rows=self.host_rows,
             block_size=self.B, attn_block_stride=self.Sa,
-            max_query_len=s.max_query_len)
+            max_query_len=s.max_query_len,
+            num_gpu_blocks=self.num_gpu_blocks)
         if s.corrupt:
             corrupt_state(case, rng)
+        if s.corrupt_tables:
+            corrupt_tables(case, rng)
         return case
 
     def adopt_state(self, case: ResolveCase) -> None:
@@ -304,6 +328,96 @@ def corrupt_state(case: ResolveCase, rng: random.Random) -> None:
             other = int(case.dgi[s, rng.randrange(H)])
             case.dgi[s, slot] = rng.choice([other, -5, 2**31 - 1,
                                             rng.randint(0, 10**6)])
+
+
+def corrupt_tables(case: ResolveCase, rng: random.Random) -> None:
+    """F18 fodder: resident and hot block ids outside [1, N_gpu) (0 in the
+    hot table, N_gpu, negative, int32 extremes whose row ids overflow), and
+    now and then a request whose hot table is all null."""
+    n = case.num_gpu_blocks
+    reqs = case.hot_bt.shape[0]
+    bad = [0, n, n + 3, -1, -(2**31), 2**31 - 1, 2**31 // 3 + 1]
+    for r in range(reqs):
+        if rng.random() < 0.15:
+            case.hot_bt[r] = 0
+            continue
+        for _ in range(rng.randint(0, 2)):
+            j = rng.randrange(case.hot_bt.shape[1])
+            case.hot_bt[r, j] = rng.choice(bad)
+        if case.res_bt.shape[1]:
+            for _ in range(rng.randint(0, 3)):
+                j = rng.randrange(case.res_bt.shape[1])
+                case.res_bt[r, j] = rng.choice(bad[1:])  # 0 is "not resident"
+
+
+# ---------------------------------------------------------------------------
+# F18 hand cases (B = 4, Sa = 6, H = 8, src blocks 5..8, N_gpu = 64), shared
+# by the CPU test (hand-computed values) and the GPU test (kernel == ref).
+# topk [9, 2, 14, 5] -> host rows 29, 22, 34, 25; 0, 1 -> 20, 21.
+# ---------------------------------------------------------------------------
+
+F18_GPU_BLOCKS = 64
+
+
+def small_case(topk_rows, *, hot=8, block=4, sa=6, q=1, src=(5, 6, 7, 8),
+               res=(0, 0, 0, 0), hot_blocks=(10, 11), seq_len=16,
+               host_rows=1000, dgi=None, lru=None,
+               num_gpu_blocks=F18_GPU_BLOCKS) -> ResolveCase:
+    """Request 0 in state slot 0; one row per entry of ``topk_rows``."""
+    t32 = lambda rows: torch.tensor(rows, dtype=torch.int32)
+    if dgi is None:
+        dgi = torch.full((1, hot), -1, dtype=torch.int32)
+    if lru is None:
+        lru = torch.arange(hot, dtype=torch.int16).view(1, hot)
+    return ResolveCase(
+        topk=t32(topk_rows), row_req=t32([0] * len(topk_rows)),
+        seq_lens=t32([seq_len]), req_state=t32([0]), src_bt=t32([list(src)]),
+        res_bt=t32([list(res)]), hot_bt=t32([list(hot_blocks)]), dgi=dgi,
+        lru=lru, host_rows=host_rows, block_size=block, attn_block_stride=sa,
+        max_query_len=q, num_gpu_blocks=num_gpu_blocks)
+
+
+def warm_state() -> tuple[torch.Tensor, torch.Tensor]:
+    """State after a cold [9, 2, 14, 5] with hot blocks (10, 11):
+    dgi = [29, 22, 34, 25, -1 x4], lru = [4, 5, 6, 7, 0, 1, 2, 3]."""
+    dgi = torch.tensor([[29, 22, 34, 25, -1, -1, -1, -1]], dtype=torch.int32)
+    lru = torch.tensor([[4, 5, 6, 7, 0, 1, 2, 3]], dtype=torch.int16)
+    return dgi, lru
+
+
+def f18_cases() -> dict[str, ResolveCase]:
+    """Fresh copies of the F18 cases (all ids within the launcher's INV-14
+    range, so the GPU runs them too)."""
+    n = F18_GPU_BLOCKS
+    dgi, lru = warm_state()
+    return {
+        # Null hot table, cold: every miss trips.
+        "null_hot_cold": small_case([[9, 2, 14, 5]], hot_blocks=(0, 0)),
+        # Null hot table, warm: hits 22, 29 cannot be read, misses trip.
+        "null_hot_warm": small_case([[2, 3, 9, 13]], hot_blocks=(0, 0),
+                                    dgi=dgi.clone(), lru=lru.clone()),
+        # Hot block N_gpu - 1 is valid, N_gpu is not.
+        "hot_id_n_gpu": small_case([[9, 2, 14, 5, 0, 1]],
+                                   hot_blocks=(n - 1, n)),
+        # A negative hot block id under warm hits (slots 0..3 in block 10).
+        "hot_id_negative": small_case([[2, 3, 9, 13]], hot_blocks=(10, -3),
+                                      dgi=dgi.clone(), lru=lru.clone()),
+        # Hits whose hot block became invalid keep their LRU position; 22
+        # is referenced twice (two trips).
+        "hot_hit_invalid": small_case([[2, 9, 2]], hot_blocks=(n + 5, 11),
+                                      dgi=dgi.clone(), lru=lru.clone()),
+        # Resident id N_gpu next to a host-backed page (not pending).
+        "res_id_n_gpu": small_case([[9, 2]], res=(0, 0, n, 0)),
+        # Only invalid resident ids (int32 max, -1, one whose id*Sa
+        # overflows int32, N_gpu) and one valid: resident short-circuit.
+        "res_ids_huge": small_case([[2, 5, 9, 14, 15]],
+                                   res=(2**31 - 1, -1, 2**31 // 6 + 1, n),
+                                   src=(5, 6, 7, 8),
+                                   dgi=dgi.clone(), lru=lru.clone()),
+        "res_ids_mixed": small_case([[2, 5, 9, 14]],
+                                    res=(2**31 - 1, -1, 2**31 // 6 + 1, 3),
+                                    dgi=dgi.clone(), lru=lru.clone()),
+    }
 
 
 # ---------------------------------------------------------------------------

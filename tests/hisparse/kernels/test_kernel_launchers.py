@@ -84,6 +84,7 @@ def _resolve_kwargs(**override):
          "attn_block_stride", "max_query_len", "out_rows", "valid_counts",
          "plan_src", "plan_dst", "plan_count", "miss_mask", "resolved_g",
          "stats"), case.args()))
+    kw.update(case.kwargs())
     kw.update(override)
     return kw
 
@@ -116,6 +117,10 @@ def test_valid_arguments_pass():
      r"2\^31\)"),
     ("max_query_len", lambda kw: 3, "device_buffer_size=16 must be >= "
      "max_decode_query_len x index_topk = 24"),
+    ("num_gpu_blocks", lambda kw: 0, "num_gpu_blocks=0 must be >= 1"),
+    ("num_gpu_blocks", lambda kw: 2**31 // 12 + 1,
+     (r"num_gpu_blocks=178956971 x max\(attn_block_stride, block_size\)=12 "
+      r"= 2147483652 must be < 2\^31 \(INV-14\)")),
 ])
 def test_resolve_arguments_named_in_errors(name, bad, message):
     """5.0 launch-time checks: dtype, contiguity, shape relations, hot table
@@ -125,6 +130,23 @@ def test_resolve_arguments_named_in_errors(name, bad, message):
     kw[name] = bad(kw)
     with pytest.raises(ValueError, match=message):
         kernels.validate_resolve_args(**kw, device=CPU)
+
+
+def test_num_gpu_blocks_is_required_keyword_and_bounded():
+    """F18: the launcher takes N_gpu keyword-only (no positional slot, no
+    default); the largest N_gpu with N_gpu * max(Sa, B) < 2^31 passes."""
+    kw = _resolve_kwargs()
+    assert kw["attn_block_stride"] == 12  # FuzzSpec default 3 * B
+    n = kw.pop("num_gpu_blocks")
+    assert n >= 1
+    with pytest.raises(TypeError, match="num_gpu_blocks"):
+        kernels.validate_resolve_args(**kw, device=CPU)
+    with pytest.raises(TypeError, match="num_gpu_blocks"):
+        kernels.resolve_residency(*kw.values())
+    kernels.validate_resolve_args(**kw, num_gpu_blocks=2**31 // 12,
+                                  device=CPU)
+    with pytest.raises(TypeError, match="num_gpu_blocks must be an int"):
+        kernels.validate_resolve_args(**kw, num_gpu_blocks=64.0, device=CPU)
 
 
 def test_launchers_require_cuda_tensors():

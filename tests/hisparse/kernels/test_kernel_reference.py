@@ -17,9 +17,12 @@ from hisparse_kernel_cases import (
     ResolveFuzzer,
     assert_same_case,
     assert_same_tensor,
+    f18_cases,
     random_plan,
     random_rows,
     run_reference,
+    small_case,
+    warm_state,
 )
 from vllm.v1.hisparse import reference
 
@@ -35,20 +38,8 @@ def fresh_state(states: int, hot: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.arange(hot, dtype=torch.int16).repeat(states, 1))
 
 
-def one_request_case(topk_rows, *, hot=8, block=4, sa=6, q=1,
-                     src=(5, 6, 7, 8), res=(0, 0, 0, 0), hot_blocks=(10, 11),
-                     seq_len=16, host_rows=1000, dgi=None,
-                     lru=None) -> ResolveCase:
-    """Request 0 in state slot 0; one row per entry of ``topk_rows``."""
-    fresh_dgi, fresh_lru = fresh_state(1, hot)
-    return ResolveCase(
-        topk=t32(topk_rows), row_req=t32([0] * len(topk_rows)),
-        seq_lens=t32([seq_len]), req_state=t32([0]), src_bt=t32([list(src)]),
-        res_bt=t32([list(res)]), hot_bt=t32([list(hot_blocks)]),
-        dgi=fresh_dgi if dgi is None else dgi,
-        lru=fresh_lru if lru is None else lru,
-        host_rows=host_rows, block_size=block, attn_block_stride=sa,
-        max_query_len=q)
+# Request 0 in state slot 0, one row per entry of topk_rows, N_gpu = 64.
+one_request_case = small_case
 
 
 def next_step(case: ResolveCase, topk_rows) -> ResolveCase:
@@ -125,7 +116,8 @@ def test_k3_padding_rows_leave_state_alone():
         seq_lens=t32([16, 16]), req_state=t32([0, -1]),
         src_bt=t32([[5, 6, 7, 8], [1, 2, 3, 4]]), res_bt=t32([[0] * 4] * 2),
         hot_bt=t32([[10, 11], [12, 13]]), dgi=dgi, lru=lru, host_rows=1000,
-        block_size=4, attn_block_stride=6, max_query_len=1)
+        block_size=4, attn_block_stride=6, max_query_len=1,
+        num_gpu_blocks=64)
     run_reference(c)
     alone = run_reference(one_request_case([[9, 2, 14, 5]]))
     for r in (0, 1, 3):
@@ -262,25 +254,204 @@ def test_overlong_union_group_is_rejected_as_padding():
     assert c.stat_values == [0, 0, 0, 3]
 
 
+# N_gpu past the launcher's INV-14 bound (N_gpu * max(Sa, B) < 2^31): only
+# the reference can be called like this; it shows the defensive int64 paths.
+HUGE_GPU_BLOCKS = 2**40
+
+
 def test_attention_ids_are_64_bit_then_int32():
-    """INV-14: hma is computed in 64 bit; an id that does not fit a
+    """INV-14, F18: hma is computed in 64 bit; an id that does not fit a
     non-negative int32 resolves to -1 instead of wrapping into a bogus row."""
     big = 2**31 // 6  # block*6 just below 2^31
-    c = one_request_case([[9, 2]], res=(0, 0, big + 1, 0), src=(5, 6, 7, 8))
+    c = one_request_case([[9, 2]], res=(0, 0, big + 1, 0), src=(5, 6, 7, 8),
+                         num_gpu_blocks=HUGE_GPU_BLOCKS)
     run_reference(c)
     assert c.out_rows.tolist()[0][0] == -1  # (big+1)*6 + 1 > 2^31 - 1
-    c = one_request_case([[9]], res=(0, 0, big, 0))
+    c = one_request_case([[9]], res=(0, 0, big, 0),
+                         num_gpu_blocks=HUGE_GPU_BLOCKS)
     run_reference(c)
     assert c.out_rows.tolist() == [[big * 6 + 1]]
+
+
+def test_f18_row_ids_compared_in_int64_before_the_cast():
+    """F18: an id whose int64 value wraps to a small positive int32 (the
+    old cast-then-check bug) resolves to -1 / trips; checked for the
+    resident id, the hot row of a miss (plan row and attention id) and an
+    attention id that overflows while the plan row (x B) still fits."""
+    wrap = 2**32 // 6 + 1  # wrap*6 + 1 = 2^32 + 3 -> int32 3 if truncated
+    c = run_reference(one_request_case([[9]], res=(0, 0, wrap, 0),
+                                       num_gpu_blocks=HUGE_GPU_BLOCKS))
+    assert c.out_rows.tolist() == [[-1]]
+    assert c.stat_values == [0, 0, 1, 0]
+    assert c.dgi.tolist() == [[-1] * 8]
+    for hot_block in (wrap, 400_000_000):  # x4 overflows / only x6 does
+        c = run_reference(one_request_case([[9]], hot_blocks=(hot_block, 11),
+                                           num_gpu_blocks=HUGE_GPU_BLOCKS))
+        assert c.out_rows.tolist() == [[-1]]
+        assert c.plan_src.tolist()[0][0] == 29
+        assert c.plan_dst.tolist()[0][0] == -1
+        assert c.plan_count.tolist() == [1]
+        assert c.miss_mask.tolist() == [[0]]
+        assert c.resolved_g.tolist() == [[-1]]
+        assert c.dgi.tolist() == [[-1] * 8]  # nothing written
+        assert c.lru.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+        assert c.stat_values == [0, 1, 1, 0]
+
+
+# ---------------------------------------------------------------------------
+# F18: block ids outside [1, N_gpu) (hand-computed; the GPU test runs the
+# same cases against the kernel). Warm state: dgi [29, 22, 34, 25, -1 x4],
+# lru [4, 5, 6, 7, 0, 1, 2, 3]; keys 2->22 3->23 9->29 13->33 0->20 1->21.
+# ---------------------------------------------------------------------------
+
+def _f18(name: str) -> ResolveCase:
+    return run_reference(f18_cases()[name])
+
+
+def test_f18_null_hot_table_cold_trips_every_miss():
+    """F18: a null (all-zero) hot table with host-backed entries: every
+    miss's victim has hot block 0, so every entry is -1, nothing is in the
+    miss mask, the plan cells keep src and dst = -1 (K2 writes nothing), no
+    dgi cell is written; the victims still rotate to the filled end of the
+    LRU (INV-35), and every trip is counted."""
+    c = _f18("null_hot_cold")
+    assert c.out_rows.tolist() == [[-1] * 4]
+    assert c.miss_mask.tolist() == [[0] * 4]
+    assert c.resolved_g.tolist() == [[-1] * 4]
+    assert c.valid_counts.tolist() == [0]
+    assert c.plan_src.tolist() == [[29, 22, 34, 25]]
+    assert c.plan_dst.tolist() == [[-1] * 4]
+    assert c.plan_count.tolist() == [4]
+    assert c.dgi.tolist() == [[-1] * 8]
+    assert c.lru.tolist() == [[4, 5, 6, 7, 0, 1, 2, 3]]
+    assert c.stat_values == [0, 4, 4, 0]
+
+
+def test_f18_null_hot_table_warm_hits_are_unreadable():
+    """F18: with the hot table nulled under warm state, hits (22 in slot 1,
+    29 in slot 0) cannot be read: -1, yet they stay hits (MRU end, dgi
+    kept: the LRU stays a permutation); misses 23, 33 trip on slots 4, 5."""
+    c = _f18("null_hot_warm")
+    dgi, _ = warm_state()
+    assert c.out_rows.tolist() == [[-1] * 4]
+    assert c.resolved_g.tolist() == [[-1] * 4]
+    assert c.miss_mask.tolist() == [[0] * 4]
+    assert c.plan_src.tolist()[0][:2] == [23, 33]
+    assert c.plan_dst.tolist()[0] == [-1, -1, POISON, POISON]
+    assert c.plan_count.tolist() == [2]
+    assert torch.equal(c.dgi, dgi)
+    assert c.lru.tolist() == [[6, 7, 2, 3, 4, 5, 0, 1]]
+    assert c.stat_values == [2, 2, 4, 0]
+
+
+def test_f18_hot_block_n_gpu_trips_and_n_gpu_minus_1_is_valid():
+    """F18: hot blocks (63, 64) with N_gpu = 64: slots 0..3 (block 63) load
+    and resolve to 63*6 + s, plan rows 63*4 + s; slots 4, 5 (block 64 =
+    N_gpu) trip."""
+    c = _f18("hot_id_n_gpu")
+    assert c.out_rows.tolist() == [[378, 379, 380, 381, -1, -1]]
+    assert c.plan_src.tolist() == [[29, 22, 34, 25, 20, 21]]
+    assert c.plan_dst.tolist() == [[252, 253, 254, 255, -1, -1]]
+    assert c.plan_count.tolist() == [6]
+    assert c.miss_mask.tolist() == [[1, 1, 1, 1, 0, 0]]
+    assert c.resolved_g.tolist() == [[29, 22, 34, 25, -1, -1]]
+    assert c.valid_counts.tolist() == [4]
+    assert c.dgi.tolist() == [[29, 22, 34, 25, -1, -1, -1, -1]]
+    assert c.lru.tolist() == [[6, 7, 0, 1, 2, 3, 4, 5]]
+    assert c.stat_values == [0, 6, 2, 0]
+
+
+def test_f18_negative_hot_block_trips_misses_hits_served():
+    """F18: hot blocks (10, -3) under warm state: hits in block 10 resolve,
+    misses taking slots 4, 5 (block -3) trip; dgi is not written."""
+    c = _f18("hot_id_negative")
+    dgi, _ = warm_state()
+    assert c.out_rows.tolist() == [[61, -1, 60, -1]]
+    assert c.resolved_g.tolist() == [[22, -1, 29, -1]]
+    assert c.miss_mask.tolist() == [[0, 0, 0, 0]]
+    assert c.plan_dst.tolist()[0][:2] == [-1, -1]
+    assert c.plan_count.tolist() == [2]
+    assert c.valid_counts.tolist() == [2]
+    assert torch.equal(c.dgi, dgi)
+    assert c.lru.tolist() == [[6, 7, 2, 3, 4, 5, 0, 1]]
+    assert c.stat_values == [2, 2, 2, 0]
+
+
+def test_f18_hit_on_invalid_hot_block_keeps_its_lru_place():
+    """F18, INV-35: all-hit step whose hits sit in a hot block >= N_gpu:
+    -1, no plan, dgi unchanged, the hits still move to the MRU end (the
+    same permutation a valid table gives); two distinct hits, three
+    references, so three trips (a trip per unreadable reference)."""
+    c = _f18("hot_hit_invalid")
+    dgi, _ = warm_state()
+    assert c.out_rows.tolist() == [[-1, -1, -1]]
+    assert c.resolved_g.tolist() == [[-1, -1, -1]]
+    assert c.miss_mask.tolist() == [[0, 0, 0]]
+    assert c.valid_counts.tolist() == [0]
+    assert c.plan_count.tolist() == [0]
+    assert c.plan_src.tolist() == [[POISON] * 3]
+    assert torch.equal(c.dgi, dgi)
+    assert c.lru.tolist() == [[4, 5, 6, 7, 2, 3, 0, 1]]
+    assert c.stat_values == [2, 0, 3, 0]
+    valid = run_reference(small_case([[2, 9, 2]], dgi=warm_state()[0],
+                                     lru=warm_state()[1]))
+    assert valid.out_rows.tolist() == [[61, 60, 61]]
+    assert torch.equal(valid.lru, c.lru)
+
+
+def test_f18_resident_id_n_gpu_is_not_a_host_read():
+    """F18: resident id N_gpu on page 2 resolves to -1 although the page
+    has a host block (never pending); page 0 (resident 0) misses as usual."""
+    c = _f18("res_id_n_gpu")
+    assert c.out_rows.tolist() == [[-1, 60]]
+    assert c.plan_src.tolist() == [[22, POISON]]
+    assert c.plan_dst.tolist() == [[40, POISON]]
+    assert c.plan_count.tolist() == [1]
+    assert c.miss_mask.tolist() == [[0, 1]]
+    assert c.resolved_g.tolist() == [[-1, 22]]
+    assert c.dgi.tolist() == [[22, -1, -1, -1, -1, -1, -1, -1]]
+    assert c.lru.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+    assert c.stat_values == [0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("name, out, trips", [
+    ("res_ids_huge", [-1] * 5, 5),
+    ("res_ids_mixed", [-1, -1, -1, 3 * 6 + 2], 3),
+])
+def test_f18_huge_resident_ids_change_nothing(name, out, trips):
+    """F18, INV-34: resident ids 2^31 - 1, -1, one whose id*Sa overflows
+    int32 and N_gpu resolve to -1 and are not pending: the group takes the
+    resident short-circuit, dgi/lru stay bit-identical, no plan cell is
+    written; the trips still reach stats[2]."""
+    c = _f18(name)
+    dgi, lru = warm_state()
+    assert c.out_rows.tolist() == [out]
+    assert c.valid_counts.tolist() == [sum(x >= 0 for x in out)]
+    assert c.plan_count.tolist() == [0]
+    assert c.plan_src.tolist() == [[POISON] * len(out)]
+    assert c.plan_dst.tolist() == [[POISON] * len(out)]
+    assert c.miss_mask.tolist() == [[0] * len(out)]
+    assert c.resolved_g.tolist() == [[-1] * len(out)]
+    assert torch.equal(c.dgi, dgi) and torch.equal(c.lru, lru)
+    assert c.stat_values == [0, 0, trips, 0]
+
+
+def test_f18_valid_tables_unchanged():
+    """F18 changes nothing for valid ids: K-1 and the partial-hit step with
+    N_gpu = 12 (hot blocks 10, 11 the largest ids) give the same results as
+    with N_gpu = 64."""
+    for n in (12, 64):
+        cold = run_reference(one_request_case([[9, 2, 14, 5]],
+                                              num_gpu_blocks=n))
+        assert cold.out_rows.tolist() == [[60, 61, 62, 63]]
+        warm = run_reference(next_step(cold, [[2, 3, 9, 13]]))
+        assert warm.out_rows.tolist() == [[61, 66, 60, 67]]
+        assert warm.stat_values == [2, 2, 0, 0]
 
 
 # ---------------------------------------------------------------------------
 # Literal transcription of spec 5.1/5.6 (per-entry loops, dicts, lists)
 # ---------------------------------------------------------------------------
-
-def _wrap32(v: int) -> int:
-    return (v + 2**31) % 2**32 - 2**31
-
 
 def loop_resolve(c: ResolveCase) -> ResolveCase:
     topk, row_req = c.topk.tolist(), c.row_req.tolist()
@@ -290,6 +461,7 @@ def loop_resolve(c: ResolveCase) -> ResolveCase:
     R, K = c.topk.shape
     S, H = c.dgi.shape
     B, Sa, q = c.block_size, c.attn_block_stride, c.max_query_len
+    N = c.num_gpu_blocks
     out = [[-1] * K for _ in range(R)]
     miss = [[0] * K for _ in range(R)]
     resolved = [[-1] * K for _ in range(R)]
@@ -297,9 +469,10 @@ def loop_resolve(c: ResolveCase) -> ResolveCase:
     count = [0] * R
     stats = c.stats.view(torch.int64).tolist()
 
-    def hma(block: int, off: int) -> int:
-        v = _wrap32(block * Sa + off)
-        return v if v >= 0 else -1
+    def row_id(block: int, off: int, stride: int) -> int:
+        """F18: block in [1, N), id in int32, else -1 (no wrapping)."""
+        v = block * stride + off
+        return v if 1 <= block < N and 0 <= v < 2**31 else -1
 
     row = 0
     while row < R:
@@ -324,8 +497,9 @@ def loop_resolve(c: ResolveCase) -> ResolveCase:
                     continue
                 page, off = divmod(p, B)
                 rb = res[req][page] if page < len(res[req]) else 0
-                if rb > 0:
-                    out[row + i][k] = hma(rb, off)
+                if rb != 0:
+                    out[row + i][k] = row_id(rb, off, Sa)
+                    stats[2] += out[row + i][k] < 0
                     continue
                 sb = src[req][page] if page < len(src[req]) else 0
                 g = sb * B + off
@@ -352,12 +526,15 @@ def loop_resolve(c: ResolveCase) -> ResolveCase:
             for m, u in enumerate(M):
                 v = evict[m]
                 plan_src[row + m // K][m % K] = U[u]
+                d = a = -1
                 if 0 <= v < H:
+                    d = row_id(hot[req][v // B], v % B, B)
+                    a = row_id(hot[req][v // B], v % B, Sa)
+                if d >= 0 and a >= 0:
                     dgi[st][v] = U[u]
                     slot_of[u] = v
-                    plan_dst[row + m // K][m % K] = _wrap32(
-                        hot[req][v // B] * B + v % B)
-                else:
+                    plan_dst[row + m // K][m % K] = d
+                else:  # tripwire 2 or an invalid hot block (F18)
                     plan_dst[row + m // K][m % K] = -1
                     stats[2] += 1
             lru[st] = evict[len(M):] + evict[:len(M)] + hits
@@ -365,7 +542,11 @@ def loop_resolve(c: ResolveCase) -> ResolveCase:
             for (i, k), (u, first) in entries.items():
                 if u in slot_of:
                     v = slot_of[u]
-                    out[row + i][k] = hma(hot[req][v // B], v % B)
+                    x = row_id(hot[req][v // B], v % B, Sa)
+                    if x < 0:  # a hit on an invalid hot block (F18)
+                        stats[2] += 1
+                        continue
+                    out[row + i][k] = x
                     resolved[row + i][k] = U[u]
                     miss[row + i][k] = int(first and u in missed)
             stats[0] += len(hits)
@@ -396,12 +577,17 @@ LOOP_SPECS = [
              num_reqs=5),
     FuzzSpec(top_k=16, hot_size=64, block_size=4, max_query_len=4,
              groups_full=True, corrupt=True, attn_block_stride=4),
+    FuzzSpec(top_k=8, hot_size=24, block_size=4, max_query_len=2,
+             corrupt=True, corrupt_tables=True),
+    FuzzSpec(top_k=33, hot_size=99, block_size=16, max_query_len=3,
+             corrupt_tables=True, resident_frac=0.4),
 ]
 
 
 @pytest.mark.parametrize("spec", LOOP_SPECS,
                          ids=lambda s: f"K{s.top_k}-H{s.hot_size}-q"
-                         f"{s.max_query_len}{'-corrupt' if s.corrupt else ''}")
+                         f"{s.max_query_len}{'-corrupt' if s.corrupt else ''}"
+                         f"{'-tables' if s.corrupt_tables else ''}")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_reference_equals_literal_spec_loop(spec, seed):
     """T2 oracle check, INV-35..38: the vectorised reference equals a literal

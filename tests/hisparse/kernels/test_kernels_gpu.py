@@ -9,6 +9,7 @@ They skip cleanly without CUDA or without the built extension (conftest's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -20,8 +21,10 @@ from hisparse_kernel_cases import (
     ResolveFuzzer,
     assert_same_case,
     assert_same_tensor,
+    f18_cases,
     random_plan,
     random_rows,
+    run_kernel,
     run_reference,
 )
 from vllm.v1.hisparse import reference
@@ -38,8 +41,7 @@ def resolve_and_compare(kernels, fuzz: ResolveFuzzer, steps: int,
     for step in range(steps):
         case = fuzz.step(overlap)
         want = run_reference(case.to("cpu"))
-        got = case.to(CUDA)
-        kernels.resolve_residency(*got.args())
+        got = run_kernel(kernels, case.to(CUDA))
         assert_same_case(got, want, label=f"{label}step {step}: ")
         fuzz.adopt_state(want)
 
@@ -77,6 +79,32 @@ def test_resolve_corrupted_state(gpu_kernels, top_k):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("name", sorted(f18_cases()))
+def test_resolve_f18_hand_cases(gpu_kernels, name):
+    """F18 (test_kernel_reference.py has the hand-computed values): null
+    hot table cold and warm, hot block N_gpu (N_gpu - 1 valid), negative hot
+    block, hits on an invalid hot block, resident id N_gpu, huge resident
+    ids (short-circuit): kernel == reference bit for bit, stats included."""
+    case = f18_cases()[name]
+    want = run_reference(case.to("cpu"))
+    got = run_kernel(gpu_kernels, case.to(CUDA))
+    assert_same_case(got, want, label=f"{name}: ")
+
+
+@pytest.mark.parametrize("top_k", [1, 33, 64, 2048])
+def test_resolve_corrupted_tables(gpu_kernels, top_k):
+    """F18, INV-37: resident and hot block ids outside [1, N_gpu) (0, N_gpu,
+    negative, int32 extremes, null hot tables) on top of corrupted dgi/lru
+    state resolve exactly as the reference over warm steps."""
+    hot, q = hot_layout(top_k, 2)
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=top_k, hot_size=hot, block_size=16,
+                                  max_query_len=q, corrupt=True,
+                                  corrupt_tables=True, resident_frac=0.3,
+                                  seed=180 + top_k))
+    resolve_and_compare(gpu_kernels, fuzz, steps=4, overlap=0.8)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("hot", [4096, 10240])
 @pytest.mark.parametrize("batch", [1, 5, 17, 64, 256])
 def test_k6_production_shapes_and_row_independence(gpu_kernels, batch, hot):
@@ -92,7 +120,7 @@ def test_k6_production_shapes_and_row_independence(gpu_kernels, batch, hot):
     resolve_and_compare(gpu_kernels, fuzz, steps=1)
     batch_case = fuzz.step(0.7)
     full = batch_case.to(CUDA)
-    gpu_kernels.resolve_residency(*full.args())
+    run_kernel(gpu_kernels, full)
     rows = batch_case.row_req.tolist()
     for req in random.Random(batch).sample(range(batch), min(3, batch)):
         sel = [i for i, r in enumerate(rows) if r == req]
@@ -100,7 +128,7 @@ def test_k6_production_shapes_and_row_independence(gpu_kernels, batch, hot):
                                "topk": batch_case.topk[sel],
                                "row_req": batch_case.row_req[sel],
                                "out_rows": None}).to(CUDA)
-        gpu_kernels.resolve_residency(*alone.args())
+        run_kernel(gpu_kernels, alone)
         st = int(batch_case.req_state[req])
         for name in ("out_rows", "valid_counts", "plan_src", "plan_dst",
                      "plan_count", "miss_mask", "resolved_g"):
@@ -117,8 +145,8 @@ def test_resolve_is_deterministic(gpu_kernels):
                                   groups_full=True, corrupt=True, seed=9))
     case = fuzz.step()
     a, b = case.to(CUDA), case.to(CUDA)
-    gpu_kernels.resolve_residency(*a.args())
-    gpu_kernels.resolve_residency(*b.args())
+    run_kernel(gpu_kernels, a)
+    run_kernel(gpu_kernels, b)
     assert_same_case(a, b)
 
 
@@ -161,7 +189,7 @@ def test_oversized_resolver_fails_before_launch(gpu_kernels):
     case = fuzz.step().to(CUDA)
     with pytest.raises(ValueError, match="HiSparse resolver needs .* B of "
                        "shared memory per block"):
-        gpu_kernels.resolve_residency(*case.args())
+        run_kernel(gpu_kernels, case)
 
 
 def test_extension_checks_arguments_itself(gpu_kernels):
@@ -169,9 +197,19 @@ def test_extension_checks_arguments_itself(gpu_kernels):
     without the Python launcher."""
     case = ResolveFuzzer(FuzzSpec(top_k=8, hot_size=16, seed=2)).step()
     case = case.to(CUDA)
-    case.lru = case.lru.to(I32)
+    bad = case.to(CUDA)
+    bad.lru = bad.lru.to(I32)
     with pytest.raises(RuntimeError, match="lru must be int16"):
-        torch.ops.hisparse_ops.resolve_residency(*case.args())
+        torch.ops.hisparse_ops.resolve_residency(*bad.op_args())
+    # F18 / INV-14: N_gpu >= 1 and N_gpu * max(Sa, B) < 2^31.
+    stride = max(case.attn_block_stride, case.block_size)
+    too_many = (r"num_gpu_blocks x max\(attn_block_stride, block_size\) "
+                r"must be < 2\^31")
+    for n, message in ((0, "num_gpu_blocks must be >= 1"),
+                       (2**31 // stride + 1, too_many)):
+        bad = dataclasses.replace(case, num_gpu_blocks=n)
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.hisparse_ops.resolve_residency(*bad.op_args())
 
 
 # ---------------------------------------------------------------------------
@@ -195,7 +233,7 @@ def test_k12_graph_capture_and_replay(gpu_kernels):
     host_f = (host.to(torch.int32) ^ 0x5A).to(torch.uint8).pin_memory()
 
     def launch(case, lead, foll):
-        gpu_kernels.resolve_residency(*case.args())
+        run_kernel(gpu_kernels, case)
         gpu_kernels.gather_compact(host, lead, case.plan_src, case.plan_dst,
                                    case.plan_count)
         gpu_kernels.gather_compact(host_f, foll, case.plan_src,
@@ -329,8 +367,7 @@ def test_inv40_gather_plan_equals_gather_compact(gpu_kernels, q):
                                   block_size=64, max_query_len=q,
                                   num_reqs=8, corrupt=True, seed=40 + q))
     case = fuzz.step()
-    gpu = case.to(CUDA)
-    gpu_kernels.resolve_residency(*gpu.args())
+    gpu = run_kernel(gpu_kernels, case.to(CUDA))
     W = 656
     host = random_rows(case.host_rows, W,
                        torch.Generator().manual_seed(q)).pin_memory()

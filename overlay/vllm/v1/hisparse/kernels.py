@@ -41,6 +41,8 @@ MISSING_MESSAGE = ("HiSparse kernels are missing ({op}); install the "
 # Slot ids are int16 (lru), so a hot region holds at most 32768 rows.
 MAX_HOT_SIZE = 32768
 # Counter layout of the optional ``stats`` tensor (uint64, 2 to 4 entries).
+# "tripped_misses" counts every trip (docs/kernels.md decision 7): tripped
+# misses, and references that resolve to -1 for an invalid GPU block id.
 STATS_FIELDS = ("hits", "misses", "tripped_misses", "rejected_rows")
 
 
@@ -237,7 +239,8 @@ def validate_resolve_args(topk, row_req, seq_lens, req_state, src_bt, res_bt,
                           attn_block_stride: int, max_query_len: int,
                           out_rows, valid_counts, plan_src, plan_dst,
                           plan_count, miss_mask=None, resolved_g=None,
-                          stats=None, *, device: torch.device) -> None:
+                          stats=None, *, num_gpu_blocks: int,
+                          device: torch.device) -> None:
     """Every K1 precondition of spec 5.0/5.1 that metadata can show."""
     i32 = torch.int32
     _check(topk, "topk", i32, 2, device)
@@ -268,6 +271,7 @@ def validate_resolve_args(topk, row_req, seq_lens, req_state, src_bt, res_bt,
     if not 0 <= host_rows < 2**31:
         raise ValueError(f"host_rows={host_rows} must be in [0, 2^31) "
                          "(INV-14)")
+    check_num_gpu_blocks(num_gpu_blocks, block_size, attn_block_stride)
     if hot_bt.shape[1] < _cdiv(hot_size, block_size):
         raise ValueError(f"hot_bt.shape[1] must be >= cdiv(device_buffer_"
                          f"size, block_size) = {_cdiv(hot_size, block_size)} "
@@ -289,6 +293,24 @@ def validate_resolve_args(topk, row_req, seq_lens, req_state, src_bt, res_bt,
         if not 2 <= stats.shape[0] <= 4:
             raise ValueError(f"stats must hold 2 to 4 uint64 counters "
                              f"{STATS_FIELDS} (found {stats.shape[0]})")
+
+
+def check_num_gpu_blocks(num_gpu_blocks: int, block_size: int,
+                         attn_block_stride: int) -> None:
+    """F18, INV-14: N_gpu >= 1 and every row id of a valid GPU block,
+    block * max(Sa, B) + offset, fits int32."""
+    if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks,
+                                                          int):
+        raise TypeError(f"num_gpu_blocks must be an int (found "
+                        f"{type(num_gpu_blocks).__name__})")
+    if num_gpu_blocks < 1:
+        raise ValueError(f"num_gpu_blocks={num_gpu_blocks} must be >= 1")
+    stride = max(attn_block_stride, block_size)
+    if num_gpu_blocks * stride >= 2**31:
+        raise ValueError(
+            f"num_gpu_blocks={num_gpu_blocks} x max(attn_block_stride, "
+            f"block_size)={stride} = {num_gpu_blocks * stride} must be "
+            "< 2^31 (INV-14)")
 
 
 def as_byte_rows(t: torch.Tensor, name: str, dim: int) -> torch.Tensor:
@@ -390,24 +412,29 @@ def resolve_residency(topk: torch.Tensor, row_req: torch.Tensor,
                       plan_count: torch.Tensor,
                       miss_mask: torch.Tensor | None = None,
                       resolved_g: torch.Tensor | None = None,
-                      stats: torch.Tensor | None = None) -> None:
+                      stats: torch.Tensor | None = None, *,
+                      num_gpu_blocks: int) -> None:
     """K1: resolve top-k positions to attention rows, updating the hot LRU.
 
     Rows with the same ``row_req`` must be consecutive (at most
     ``max_query_len`` of them); they are resolved as one union group.
+    ``num_gpu_blocks`` is N_gpu, the block count of the GPU pool that the
+    resident and hot tables index: ids outside [1, N_gpu) are tripped (F18).
     """
     device = _require_cuda(topk, "topk")
     validate_resolve_args(topk, row_req, seq_lens, req_state, src_bt, res_bt,
                           hot_bt, dgi, lru, host_rows, block_size,
                           attn_block_stride, max_query_len, out_rows,
                           valid_counts, plan_src, plan_dst, plan_count,
-                          miss_mask, resolved_g, stats, device=device)
+                          miss_mask, resolved_g, stats,
+                          num_gpu_blocks=num_gpu_blocks, device=device)
     index = torch.cuda.current_device() if device.index is None \
         else device.index
     preflight_resolver(topk.shape[1], max_query_len, dgi.shape[1],
                        device_smem_limit(index))
     _ops().resolve_residency(topk, row_req, seq_lens, req_state, src_bt,
-                             res_bt, hot_bt, dgi, lru, host_rows, block_size,
+                             res_bt, hot_bt, dgi, lru, host_rows,
+                             num_gpu_blocks, block_size,
                              attn_block_stride, max_query_len, out_rows,
                              valid_counts, plan_src, plan_dst, plan_count,
                              miss_mask, resolved_g, stats)

@@ -19,13 +19,22 @@ Decisions that complete the spec (docs/kernels.md lists them all):
   padding, like -1 (memory safety, never an out-of-bounds read);
 - a union group longer than ``max_query_len`` rows breaks the caller contract:
   its rows are written as padding and counted in ``stats[3]`` when present;
-- block ids <= 0 are null in the resident and source tables;
-- an attention id that is not a non-negative int32 (only possible when the
-  INV-14 startup range check is bypassed) resolves to -1;
+- block ids <= 0 are null in the source table and 0 is null in the resident
+  table; GPU block ids (resident and hot tables) must lie in [1, N_gpu)
+  (``num_gpu_blocks``), else the entry is tripped (F18): an invalid resident
+  id resolves to -1 and is not pending; a miss whose victim's hot block is
+  invalid is tripped like tripwire 2; a hit on such a slot resolves to -1
+  and stays a hit for the LRU;
+- row ids (block*Sa + offset, block*B + offset) are formed in int64 and an
+  id that is not a non-negative int32 (only possible when the INV-14 range
+  check is bypassed) resolves to -1 or trips, never wraps;
 - ``resolved_g`` is the host row of entries served from the hot buffer and -1
   for everything else (resident, invalid, tripped, padding);
 - plan cells past ``plan_count`` are not written; ``stats[2]`` (when present)
-  counts tripped misses.
+  counts every trip: tripped misses (per distinct host row, as tripwire 2
+  always did) plus references that resolve to -1 because of an invalid GPU
+  block id (resident entries, and hits on a slot with an invalid hot
+  block).
 
 This module imports only torch and the standard library.
 """
@@ -86,9 +95,21 @@ def _to_int32(values: torch.Tensor) -> torch.Tensor:
 
 def _attention_ids(block: torch.Tensor, offset: torch.Tensor,
                    attn_block_stride: int) -> torch.Tensor:
-    """hma = block*Sa + offset in 64 bit, stored as int32; negative -> -1."""
+    """K3's out_rows: hma = block*Sa + offset in 64 bit, cast to int32 and
+    then negative -> -1, as gather.cu does (K1 uses _checked_rows)."""
     ids = _to_int32(block.to(torch.int64) * attn_block_stride + offset)
     return torch.where(ids < 0, torch.full_like(ids, -1), ids)
+
+
+def _checked_rows(block: torch.Tensor, offset: torch.Tensor, stride: int,
+                  num_gpu_blocks: int) -> torch.Tensor:
+    """block*stride + offset as int32 where the block id is in [1, N_gpu)
+    and the int64 id fits a non-negative int32, else -1 (F18)."""
+    block = block.to(torch.int64)
+    ids = block * stride + offset.to(torch.int64)
+    ok = ((block >= 1) & (block < num_gpu_blocks) & (ids >= 0)
+          & (ids <= INT32_MAX))
+    return torch.where(ok, ids, torch.full_like(ids, -1)).to(torch.int32)
 
 
 def _table_lookup(table_row: torch.Tensor, page: torch.Tensor,
@@ -121,24 +142,29 @@ class _Entries:
     out: torch.Tensor  # int32 final ids for resident/invalid, -1 elsewhere
     pending: torch.Tensor  # bool
     keys: torch.Tensor  # int64 host row g (meaningful where pending)
+    trips: int  # resident entries with an invalid block id (F18)
 
 
 def _classify(topk_rows: torch.Tensor, seq_len: int, src_row: torch.Tensor,
               res_row: torch.Tensor, host_rows: int, block_size: int,
-              attn_block_stride: int) -> _Entries:
+              attn_block_stride: int, num_gpu_blocks: int) -> _Entries:
     p = topk_rows.reshape(-1).to(torch.int64)
     valid = (p >= 0) & (p < seq_len)
     page = torch.where(valid, p // block_size, torch.zeros_like(p))
     off = torch.where(valid, p % block_size, torch.zeros_like(p))
     res_block = _table_lookup(res_row, page, valid)
-    resident = valid & (res_block > 0)
-    src_block = _table_lookup(src_row, page, valid & ~resident)
+    # A non-zero resident entry is never a host read: a valid id resolves
+    # through the resident table, any other id is tripped (-1).
+    flagged = valid & (res_block != 0)
+    res_ids = _checked_rows(res_block, off, attn_block_stride,
+                            num_gpu_blocks)
+    resident = flagged & (res_ids >= 0)
+    src_block = _table_lookup(src_row, page, valid & ~flagged)
     keys = src_block * block_size + off
-    pending = valid & ~resident & (src_block > 0) & (keys < host_rows)
+    pending = valid & ~flagged & (src_block > 0) & (keys < host_rows)
     out = torch.full_like(p, -1, dtype=torch.int32)
-    res_ids = _attention_ids(res_block, off, attn_block_stride)
     out[resident] = res_ids[resident]
-    return _Entries(out, pending, keys)
+    return _Entries(out, pending, keys, int((flagged & ~resident).sum()))
 
 
 @dataclass
@@ -178,22 +204,29 @@ def _lookup_union(union: _Union, values: torch.Tensor,
                        torch.full_like(values, -1))
 
 
-def _hot_rows(hot_row: torch.Tensor, slots: torch.Tensor,
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hot block, offset) of in-range slots."""
-    blocks = hot_row.to(torch.int64)[slots // block_size]
-    return blocks, slots % block_size
+def _hot_ids(hot_row: torch.Tensor, slots: torch.Tensor, stride: int,
+             block_size: int, num_gpu_blocks: int) -> torch.Tensor:
+    """Checked row ids hot_block*stride + offset of slots; -1 where the slot
+    is negative (none) or its hot block / id is invalid (F18). Slots are in
+    [0, H) or negative, so the hot-table index is in range."""
+    some = slots >= 0
+    s = torch.where(some, slots, torch.zeros_like(slots))
+    blocks = hot_row.to(torch.int64)[s // block_size]
+    ids = _checked_rows(blocks, s % block_size, stride, num_gpu_blocks)
+    return torch.where(some, ids, torch.full_like(ids, -1))
 
 
 def _resolve_group(g: UnionGroup, topk, seq_lens, src_bt, res_bt, hot_bt, dgi,
-                   lru, host_rows, block_size, attn_block_stride, out_rows,
-                   valid_counts, plan_src, plan_dst, plan_count, miss_mask,
-                   resolved_g, stats) -> None:
+                   lru, host_rows, num_gpu_blocks, block_size,
+                   attn_block_stride, out_rows, valid_counts, plan_src,
+                   plan_dst, plan_count, miss_mask, resolved_g,
+                   stats) -> None:
     K = topk.shape[1]
     H = dgi.shape[1]
     rows = slice(g.row0, g.row0 + g.rows)
     e = _classify(topk[rows], int(seq_lens[g.req]), src_bt[g.req],
-                  res_bt[g.req], host_rows, block_size, attn_block_stride)
+                  res_bt[g.req], host_rows, block_size, attn_block_stride,
+                  num_gpu_blocks)
     out = e.out
     resolved = torch.full_like(out, -1)
     missed = torch.zeros_like(out)
@@ -221,34 +254,48 @@ def _resolve_group(g: UnionGroup, topk, seq_lens, src_bt, res_bt, hot_bt, dgi,
         misses = torch.nonzero(hit_pos == H).flatten()
         n_miss = misses.numel()
         victims = evictable[:n_miss]
-        ok = (victims >= 0) & (victims < H)
+        # Tripwire 2 (victim outside [0, H)) and F18 (its hot block outside
+        # [1, N_gpu), or a row id that does not fit int32): tripped.
+        in_h = (victims >= 0) & (victims < H)
+        v = torch.where(in_h, victims, torch.full_like(victims, -1))
+        hot_row = hot_bt[g.req]
+        dst = _hot_ids(hot_row, v, block_size, block_size, num_gpu_blocks)
+        attn = _hot_ids(hot_row, v, attn_block_stride, block_size,
+                        num_gpu_blocks)
+        ok = in_h & (dst >= 0) & (attn >= 0)
         miss_keys = union.keys[misses]
         dgi[g.state, victims[ok]] = miss_keys[ok].to(torch.int32)
         slot_of_u[misses[ok]] = victims[ok]
-        dst = torch.full((n_miss,), -1, dtype=torch.int64)
-        blocks, offs = _hot_rows(hot_bt[g.req], victims[ok], block_size)
-        dst[ok] = blocks * block_size + offs
         m = torch.arange(n_miss)
         plan_src[g.row0 + m // K, m % K] = miss_keys.to(torch.int32)
-        plan_dst[g.row0 + m // K, m % K] = _to_int32(dst)
+        plan_dst[g.row0 + m // K, m % K] = torch.where(
+            ok, dst, torch.full_like(dst, -1))
         # Step 5: untouched evictables | refilled victims | hits.
         lru[g.state] = torch.cat(
             [evictable[n_miss:], victims, hits]).to(torch.int16)
-        # Step 6: emit the hot rows of pending entries.
+        # Step 6: emit the hot rows of pending entries. A hit whose hot
+        # block is invalid (F18) is served by nothing: -1, and a trip.
+        ids_u = _hot_ids(hot_bt[g.req], slot_of_u, attn_block_stride,
+                         block_size, num_gpu_blocks)
         pend = torch.nonzero(e.pending).flatten()
-        slots = slot_of_u[union.entry_u]
-        served = slots >= 0
-        blocks, offs = _hot_rows(hot_bt[g.req], slots[served], block_size)
-        out[pend[served]] = _attention_ids(blocks, offs, attn_block_stride)
+        ids = ids_u[union.entry_u]
+        served = ids >= 0
+        # Only hits can have a slot and no id (a miss's block was checked
+        # above); each such reference is a trip.
+        hit_trips = int(((slot_of_u[union.entry_u] >= 0) & ~served).sum())
+        out[pend[served]] = ids[served]
         resolved[pend[served]] = e.keys[pend[served]].to(torch.int32)
         is_miss_u = torch.zeros(n_union, dtype=torch.bool)
         is_miss_u[misses] = True
         first_miss = served & union.entry_first & is_miss_u[union.entry_u]
         missed[pend[first_miss]] = 1
         if stats is not None:
-            _add_stats(stats, int(is_hit.sum()), n_miss, int((~ok).sum()))
+            _add_stats(stats, int(is_hit.sum()), n_miss,
+                       int((~ok).sum()) + hit_trips + e.trips)
     else:
         n_miss = 0
+        if stats is not None and e.trips:
+            _add_stats(stats, 0, 0, e.trips)
     out_rows[rows] = out.view(g.rows, K)
     valid_counts[rows] = (out.view(g.rows, K) >= 0).sum(1).to(torch.int32)
     left = n_miss - torch.arange(g.rows) * K
@@ -279,8 +326,11 @@ def ref_resolve(topk: torch.Tensor, row_req: torch.Tensor,
                 plan_dst: torch.Tensor, plan_count: torch.Tensor,
                 miss_mask: torch.Tensor | None = None,
                 resolved_g: torch.Tensor | None = None,
-                stats: torch.Tensor | None = None) -> None:
-    """K1 resolve_residency on CPU tensors (same arguments as the op)."""
+                stats: torch.Tensor | None = None, *,
+                num_gpu_blocks: int) -> None:
+    """K1 resolve_residency on CPU tensors (same arguments as the launcher
+    ``kernels.resolve_residency``). No argument validation: ids that the
+    launcher's INV-14 checks exclude take the defensive -1 paths."""
     for g in union_groups(row_req, req_state, dgi.shape[0], max_query_len):
         if g.req < 0 or g.rejected:
             _write_padding(g, out_rows, valid_counts, plan_count, miss_mask,
@@ -289,9 +339,9 @@ def ref_resolve(topk: torch.Tensor, row_req: torch.Tensor,
                 stats.view(torch.int64)[3] += g.rows
             continue
         _resolve_group(g, topk, seq_lens, src_bt, res_bt, hot_bt, dgi, lru,
-                       host_rows, block_size, attn_block_stride, out_rows,
-                       valid_counts, plan_src, plan_dst, plan_count,
-                       miss_mask, resolved_g, stats)
+                       host_rows, num_gpu_blocks, block_size,
+                       attn_block_stride, out_rows, valid_counts, plan_src,
+                       plan_dst, plan_count, miss_mask, resolved_g, stats)
 
 
 def _move_rows(src: torch.Tensor, dst: torch.Tensor, g: torch.Tensor,

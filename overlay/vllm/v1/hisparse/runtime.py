@@ -426,6 +426,7 @@ class HiSparseRuntime:
                 None,
                 None,
                 group.stats,
+                num_gpu_blocks=g.num_gpu_blocks,
             )
             ws.owner = group
         elif ws.owner is not group:

@@ -111,23 +111,39 @@ class Batch:
     """The runner's persistent batch, as the runtime reads it (BatchState)."""
 
     def __init__(self, num_groups: int, max_reqs: int = 8,
-                 max_blocks: int = 32, max_tokens: int = 512) -> None:
+                 max_blocks: int = 32, max_tokens: int = 512,
+                 device: str = "cpu") -> None:
+        # CPU tables (numpy views share their memory); on CUDA the device
+        # copies are refreshed by ``commit`` as the runner does.
         self.tables = [torch.zeros((max_reqs, max_blocks), dtype=torch.int32)
                        for _ in range(num_groups)]
         self.slots = [torch.full((max_tokens,), -1, dtype=torch.int64)
                       for _ in range(num_groups)]
+        self.device_tables = self.tables
+        self.device_slots = self.slots
+        if device != "cpu":
+            self.device_tables = [t.to(device) for t in self.tables]
+            self.device_slots = [t.to(device) for t in self.slots]
         self.computed = np.zeros(0, dtype=np.int64)
         self.scheduled = np.zeros(0, dtype=np.int64)
 
     # BatchState
     def device(self, group_id: int) -> torch.Tensor:
-        return self.tables[group_id]
+        return self.device_tables[group_id]
 
     def host(self, group_id: int) -> np.ndarray:
         return self.tables[group_id].numpy()
 
     def slot_mapping(self, group_id: int) -> torch.Tensor:
-        return self.slots[group_id]
+        return self.device_slots[group_id]
+
+    def commit(self) -> None:
+        """Copy the CPU tables and slot mappings to the device copies."""
+        if self.device_tables is self.tables:
+            return
+        for src, dst in zip(self.tables + self.slots,
+                            self.device_tables + self.device_slots):
+            dst.copy_(src)
 
     def num_reqs(self) -> int:
         return int(self.computed.size)
@@ -170,7 +186,8 @@ def host_pool(config: HiSparseKVCacheConfig,
     return HostPool(config.host_pool, recorder.registrar())
 
 
-def attn_metadata(batch: Batch, num_decodes: int, num_decode_tokens: int):
+def attn_metadata(batch: Batch, num_decodes: int, num_decode_tokens: int,
+                  device: str = "cpu"):
     """The sparse-MLA layers' attention metadata fields the worker reads,
     in vLLM's own FlashMLASparseMetadata."""
     from vllm.v1.attention.backends.mla.flashmla_sparse import (
@@ -182,10 +199,10 @@ def attn_metadata(batch: Batch, num_decodes: int, num_decode_tokens: int):
         num_reqs=n, max_query_len=int(batch.scheduled.max()),
         max_seq_len=int(batch.seq_lens_cpu().max()),
         num_actual_tokens=batch.num_tokens(),
-        query_start_loc=torch.zeros(n + 1, dtype=torch.int32),
-        slot_mapping=batch.slots[0], block_table=batch.tables[0][:n],
-        req_id_per_token=batch.req_id_per_token(),
-        seq_lens=torch.from_numpy(batch.seq_lens_cpu().astype(np.int32)),
+        query_start_loc=torch.zeros(n + 1, dtype=torch.int32, device=device),
+        slot_mapping=batch.device_slots[0], block_table=batch.device_tables[0][:n],
+        req_id_per_token=batch.req_id_per_token().to(device),
+        seq_lens=torch.from_numpy(batch.seq_lens_cpu().astype(np.int32)).to(device),
         num_decodes=num_decodes, num_prefills=n - num_decodes,
         num_decode_tokens=num_decode_tokens)
 

@@ -413,7 +413,9 @@ def main() -> int:
         spec = specs[name]
         rec = R["engines"].setdefault(name, {})
         rec["spec"] = spec
-        debug = spec["hisparse"] is not None
+        # The mirror audit synchronizes every step: on for the engines under
+        # pressure, off where decode is timed (P2).
+        debug = spec["hisparse"] is not None and "p2" not in PLAN[name]
         if debug:
             os.environ["VLLM_HISPARSE_DEBUG"] = "1"
         log("engine", name, "start")

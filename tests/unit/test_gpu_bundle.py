@@ -385,7 +385,7 @@ def test_real_bundle_members(real_bundle):
               "vllm-bin/vllm/vllm_flash_attn/_vllm_fa2_C.py"):
         assert s in base, s
     # every shipped dependency, with its dist-info
-    dist = {re.sub(r"[-_.]+", "-", n.split("/")[1].rsplit("-", 1)[0]).lower()
+    dist = {re.sub(r"[-_.]+", "-", n.split("/")[1][:-len(".dist-info")].rsplit("-", 1)[0]).lower()
             for n in base if re.match(r"site/[^/]+\.dist-info/METADATA$", n)}
     deps = {re.sub(r"[-_.]+", "-", ln.split("==")[0]).lower() for ln in rules("deps.txt")}
     assert deps <= dist

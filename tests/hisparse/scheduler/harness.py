@@ -3,13 +3,23 @@
 
 ``SimWorker`` is a test double of the HiSparse worker half that behaves the
 way the real one will at the protocol level (enqueue, then complete; per TP
-rank; possibly late, repeated, or lost) and models the bytes as well: every
-KV row holds a tag equal to a rolling hash of the request's tokens up to that
-position, written into the resident blocks by the "forward", mirrored to host
-rows through the row-mirror envelopes, and read back by "attention" from the
-resident page or, for a null entry, from the host. Any protocol bug that
-would make real attention read stale or missing KV shows up as a tag
-mismatch.
+rank; possibly late, repeated, or lost; acks name the step after whose
+forward a transfer was submitted) and models the bytes as well: every KV row
+holds a tag equal to a rolling hash of the request's tokens up to that
+position, written into the resident blocks by the "forward", mirrored to
+host after the forward exactly as the real worker does (the rows the forward
+wrote, through the request's resident and source tables: no envelope from
+the scheduler), and read back by "attention" from the resident page or, for
+a null entry, from the host. Any protocol bug that would make real
+attention read stale or missing KV shows up as a tag mismatch.
+
+It consumes the rest of the step metadata the way the real worker must:
+hot regions get a state slot when announced and lose it when freed (each
+announced start is a live request's region; none is freed twice or used
+after its free; the announced set always equals the live regions), and
+``reused_block_ids`` must be exactly the unpinned blocks the GPU pool handed
+out since the previous step (observed at the pool, independently of the
+coordinator).
 """
 
 from __future__ import annotations
@@ -36,10 +46,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metadata import (
-    HiSparseStepMetadata,
-    HiSparseWorkerAck,
-)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (
@@ -58,6 +64,7 @@ from vllm.v1.hisparse.layout import (
     build_hisparse_layout,
     plan_host_pool,
 )
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -164,6 +171,8 @@ def make_scheduler(
     kv_transfer_config: KVTransferConfig | None = None,
     kv_events_config: KVEventsConfig | None = None,
     async_scheduling: bool = False,
+    policy: str = "fcfs",
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     """vLLM's Scheduler over ``kv_cache_config``. With a HiSparse config,
     HiSparse is enabled and the connector defaults to HiSparseConnector
@@ -184,6 +193,8 @@ def make_scheduler(
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
         watermark=0.0,
+        policy=policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     cache_config = CacheConfig(block_size=B, enable_prefix_caching=True, cache_dtype="fp8")
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
@@ -222,7 +233,7 @@ _hash_ready = False
 
 
 def make_request(
-    req_id: str, prompt: list[int], max_tokens: int
+    req_id: str, prompt: list[int], max_tokens: int, priority: int = 0
 ) -> Request:
     global _hash_ready
     if not _hash_ready:
@@ -236,6 +247,7 @@ def make_request(
         sampling_params=params,
         pooling_params=None,
         block_hasher=get_request_block_hasher(B, sha256),
+        priority=priority,
     )
 
 
@@ -277,6 +289,9 @@ class Faults:
     """Probability of reporting an already reported enqueue again."""
     lagging_rank_delay: int = 0
     """Extra completion delay of the last rank."""
+    early_submit: set[int] = dataclasses.field(default_factory=set)
+    """Transfer ids reported as submitted before the forward of the step
+    that carried them (``submitted_step`` one lower: F17)."""
 
 
 class SimWorker:
@@ -296,6 +311,7 @@ class SimWorker:
         assert isinstance(coord, HiSparseKVCacheCoordinator)
         self.coord = coord
         self.res_gids = coord.resident_group_ids
+        self.hot_gids = coord.hot_group_ids
         self.src_gid = coord.source_group_id
         self.ranks = ranks
         self.faults = faults or Faults()
@@ -314,6 +330,8 @@ class SimWorker:
         ]
         self.done: list[set[int]] = [set() for _ in range(ranks)]
         self.enqueue_report: list[set[int]] = [set() for _ in range(ranks)]
+        # Transfer id -> the step after whose forward it was submitted.
+        self.submitted: dict[int, int] = {}
         self.reads_checked = 0
         self.rows_mirrored = 0
         # Transfer ids a test wants to keep in flight (per rank: all ranks).
@@ -324,7 +342,30 @@ class SimWorker:
         self.children: list = []
         self.requests_seen: dict[str, Request] = {}
         self.cow_done: set[int] = set()
-        self.transfers_seen: list = []
+        self.transfers_seen: list[int] = []
+        self.last_meta: HiSparseStepMetadata | None = None
+        # Hot regions with a state slot: first block (hot group 0) -> request.
+        self.regions: dict[int, str] = {}
+        self.regions_allocated = 0
+        self.regions_freed = 0
+        self.reused_seen = 0
+        self._watch_reuse(coord.block_pool)
+
+    def _watch_reuse(self, pool) -> None:
+        """Record, at the GPU pool, every unpinned (watched) block it hands
+        out: what ``reused_block_ids`` must list (F16)."""
+        self._handed_out_unpinned: set[int] = set()
+        allocate = pool.get_new_blocks
+
+        def observed(num_blocks: int):
+            watched = set(pool._reuse_watchers) if pool._reuse_watchers else ()
+            blocks = allocate(num_blocks)
+            for blk in blocks:
+                if blk.block_id in watched:
+                    self._handed_out_unpinned.add(blk.block_id)
+            return blocks
+
+        pool.get_new_blocks = observed
 
     # ----------------------------------------------------------- W0
 
@@ -345,14 +386,49 @@ class SimWorker:
                     self.tables[req_id][g].extend(new_ids[g])
         meta = so.kv_connector_metadata
         assert isinstance(meta, HiSparseStepMetadata)
-        for req_id, upd in meta.residency_updates.items():
-            if req_id not in so.num_scheduled_tokens:
-                raise ProtocolError(f"residency update for unscheduled {req_id} (4.6)")
+        g = len(self.res_gids)
+        m = len(meta.update_req_ids)
+        if (meta.update_start_pages.shape != (m,)
+                or meta.update_indptr.shape != (m + 1,)
+                or meta.update_block_ids.shape != (int(meta.update_indptr[-1]), g)):
+            raise ProtocolError("malformed residency-update CSR")
+        got = {}
+        for i in range(m):
+            req_id, start, rows = meta.residency_update(i)
+            if req_id in got:
+                raise ProtocolError(f"two residency updates for {req_id}")
+            got[req_id] = (start, [rows[:, col].tolist() for col in range(g)])
+        expected = self._expected_updates(so)
+        if got != expected:
+            raise ProtocolError(
+                f"step {self.step_no}: residency updates {got}, expected the "
+                f"per-request ones {expected} (R4)")
+        for req_id, (start, rows) in got.items():
             table = self.tables[req_id]
-            for gid, ids in zip(self.res_gids, upd.block_ids):
+            for gid, ids in zip(self.res_gids, rows):
                 row = table[gid]
-                del row[upd.start_page:]
+                del row[start:]
                 row.extend(ids)
+
+    def _expected_updates(self, so: SchedulerOutput) -> dict:
+        """What the per-request updates of spec 4.6 step 4 (and R4) are:
+        for each scheduled request whose resident table differs from the
+        worker's (after appending this step's new ids), the scheduler's rows
+        from the first differing page; nothing for any other request."""
+        mgr = self.scheduler.kv_cache_manager
+        expected = {}
+        for req_id in so.num_scheduled_tokens:
+            actual = mgr.get_block_ids(req_id)
+            mine = self.tables[req_id]
+            if all(mine[gid] == list(actual[gid]) for gid in self.res_gids):
+                continue
+            first = min(
+                next((p for p, (a, b) in enumerate(zip(mine[gid], actual[gid])) if a != b),
+                     min(len(mine[gid]), len(actual[gid])))
+                for gid in self.res_gids
+            )
+            expected[req_id] = (first, [list(actual[gid][first:]) for gid in self.res_gids])
+        return expected
 
     def _check_tables(self, so: SchedulerOutput) -> None:
         """INV-22: before the forward, the worker's resident tables equal
@@ -361,21 +437,80 @@ class SimWorker:
         for req_id in so.num_scheduled_tokens:
             actual = mgr.get_block_ids(req_id)
             mine = self.tables[req_id]
-            for gid in (*self.res_gids, self.src_gid):
+            for gid in (*self.res_gids, *self.hot_gids, self.src_gid):
                 if mine[gid] != list(actual[gid]):
                     raise ProtocolError(
                         f"step {self.step_no}: worker table of {req_id} group "
                         f"{gid} is {mine[gid]}, scheduler has {list(actual[gid])}"
                     )
 
+    # ------------------------------------------------- W1: block events
+
+    def _hot_regions(self, meta: HiSparseStepMetadata, so: SchedulerOutput) -> None:
+        """INV-5 / INV-24: freed regions release their state slot, then each
+        allocated region gets a fresh one; every scheduled request reads
+        through its own live region."""
+        if not self.hot_gids:
+            return
+        hot0 = self.hot_gids[0]
+        starts = {
+            blocks[0].block_id: req_id
+            for req_id, blocks in self.coord.single_type_managers[hot0].req_to_blocks.items()
+            if blocks
+        }
+        allocated = meta.hot_regions_allocated.tolist()
+        for b in meta.hot_regions_freed.tolist():
+            if b not in self.regions:
+                raise ProtocolError(
+                    f"step {self.step_no}: hot region {b} freed twice or never allocated")
+            if b in starts and b not in allocated:
+                raise ProtocolError(
+                    f"step {self.step_no}: hot region {b} freed while "
+                    f"{starts[b]} still holds it (INV-5)")
+            del self.regions[b]
+            self.regions_freed += 1
+        for b in allocated:
+            if b in self.regions:
+                raise ProtocolError(
+                    f"step {self.step_no}: hot region {b} allocated again "
+                    f"without a free (it is {self.regions[b]}'s)")
+            if b not in starts:
+                raise ProtocolError(
+                    f"step {self.step_no}: hot region start {b} is not the first "
+                    "hot block of a live request")
+            self.regions[b] = starts[b]
+            self.regions_allocated += 1
+        if self.regions != starts:
+            raise ProtocolError(
+                f"step {self.step_no}: the announced hot regions {self.regions} "
+                f"are not the live ones {starts} (a region never announced, or "
+                "a released one never reported)")
+        for req_id in so.num_scheduled_tokens:
+            hot = self.tables[req_id][hot0]
+            if hot and self.regions.get(hot[0]) != req_id:
+                raise ProtocolError(
+                    f"step {self.step_no}: {req_id} reads hot region {hot[0]}, "
+                    "which is not its live region (used after free?)")
+
+    def _reused(self, meta: HiSparseStepMetadata) -> None:
+        """F16: the reused blocks listed are exactly the unpinned blocks the
+        pool handed out since the previous step."""
+        listed = meta.reused_block_ids.tolist()
+        if len(listed) != len(set(listed)) or set(listed) != self._handed_out_unpinned:
+            raise ProtocolError(
+                f"step {self.step_no}: reused_block_ids {sorted(listed)}, but the "
+                f"pool handed out unpinned blocks {sorted(self._handed_out_unpinned)}")
+        self.reused_seen += len(listed)
+        self._handed_out_unpinned = set()
+
     # ------------------------------------------------------ W2 forward
 
     def _forward(self, so: SchedulerOutput) -> None:
-        meta = so.kv_connector_metadata
-        assert isinstance(meta, HiSparseStepMetadata)
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        # (resident row, host row, rows) of every run this forward writes.
+        written: list[tuple[int, int, int]] = []
         for req_id, n in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             self.requests_seen[req_id] = request
@@ -397,21 +532,24 @@ class SimWorker:
                         )
                     base = blk * B - page * B
                     self.gpu[base + lo:base + hi] = tags[lo:hi]
-                self._mirror(req_id, meta, table, page, lo, hi)
+                host_block = table[self.src_gid][page]
+                if host_block == 0:
+                    raise ProtocolError(
+                        f"INV-6: {req_id} writes page {page}, which has no host block")
+                off = lo - page * B
+                written.append((table[self.res_gids[0]][page] * B + off,
+                                host_block * B + off, hi - lo))
             if self.check_reads:
                 self._attend(req_id, table, tags, c + n)
+        self._mirror(written)
 
-    def _mirror(self, req_id, meta, table, page, lo, hi) -> None:
-        """Envelope ∩ written rows (4.9): copy the rows just written."""
-        slot0 = table[self.res_gids[0]][page] * B + (lo - page * B)
-        for m in meta.row_mirrors.get(req_id, ()):
-            start, end = m.src_row_start[0], m.src_row_start[0] + m.num_rows
-            a, b = max(start, slot0), min(end, slot0 + (hi - lo))
-            if a >= b:
-                continue
-            host_a = m.host_row_start + (a - start)
-            self.host[host_a:host_a + (b - a)] = self.gpu[a:b]
-            self.rows_mirrored += b - a
+    def _mirror(self, written: list[tuple[int, int, int]]) -> None:
+        """W3 (eager mode, 4.9 without envelopes): after the forward, copy
+        exactly the rows it wrote, resident -> host, through the slot
+        mappings of the step (the resident and source tables)."""
+        for src, dst, n in written:
+            self.host[dst:dst + n] = self.gpu[src:src + n]
+            self.rows_mirrored += n
 
     def _attend(self, req_id, table, tags, context_len) -> None:
         """Read every context row from where the tables say it lives."""
@@ -436,19 +574,29 @@ class SimWorker:
     # ----------------------------------------------------------- acks
 
     def _transfers(self, meta: HiSparseStepMetadata) -> None:
-        for r in range(self.ranks):
-            for tid in meta.retired_transfer_ids:
+        n = meta.num_transfers
+        g = len(self.res_gids)
+        if (meta.transfer_host_blocks.shape != (n,)
+                or meta.transfer_resident_blocks.shape != (n, g)
+                or meta.transfer_restore.shape != (n,)):
+            raise ProtocolError("malformed transfer arrays")
+        for tid in meta.retired_transfer_ids.tolist():
+            for r in range(self.ranks):
                 self.done[r].discard(tid)
-        self.transfers_seen.extend(meta.page_transfers)
-        for t in meta.page_transfers:
+            self.submitted.pop(tid, None)
+        ids = meta.transfer_ids.tolist()
+        self.transfers_seen.extend(ids)
+        hosts = meta.transfer_host_blocks.tolist()
+        residents = [tuple(row) for row in meta.transfer_resident_blocks.tolist()]
+        for tid, hb, res_ids in zip(ids, hosts, residents):
+            # Spills are submitted after this step's forward (W5).
+            self.submitted[tid] = meta.step
             for r in range(self.ranks):
                 delay = self.rng.randint(0, self.faults.max_delay)
                 if r == self.ranks - 1:
                     delay += self.faults.lagging_rank_delay
-                self.in_flight[r][t.transfer_id] = (
-                    self.step_no + delay, t.host_block_id, t.resident_block_ids
-                )
-                self.enqueue_report[r].add(t.transfer_id)
+                self.in_flight[r][tid] = (self.step_no + delay, hb, res_ids)
+                self.enqueue_report[r].add(tid)
 
     def _complete(self) -> None:
         for r in range(self.ranks):
@@ -469,17 +617,23 @@ class SimWorker:
 
     def _copy_on_write(self, meta: HiSparseStepMetadata) -> None:
         """Host CoW (4.12): copy the block, report the destination done."""
-        for src, dst in meta.cow_copies:
+        for src, dst in zip(meta.cow_src.tolist(), meta.cow_dst.tolist()):
             self.host[dst * B:(dst + 1) * B] = self.host[src * B:(src + 1) * B]
             self.cow_done.add(dst)
 
     def _ack(self) -> HiSparseWorkerAck | None:
         ack = HiSparseWorkerAck(cow_done=frozenset(self.cow_done))
         self.cow_done = set()
+        early = self.faults.early_submit
         for r in range(self.ranks):
+            reported = self.enqueue_report[r] | self.done[r]
             ack = ack.aggregate(HiSparseWorkerAck(
                 enqueued={t: frozenset({r}) for t in self.enqueue_report[r]},
                 completed={t: frozenset({r}) for t in self.done[r]},
+                submitted_step={
+                    t: self.submitted[t] - (t in early)
+                    for t in reported if t in self.submitted
+                },
             ))
         if self.rng.random() < self.faults.lose_ack_prob:
             return None  # lost in transit: completions are repeated later
@@ -502,8 +656,13 @@ class SimWorker:
             meta, *child_metas = meta.metadata
             so = dataclasses.replace(so, kv_connector_metadata=meta)
         assert isinstance(meta, HiSparseStepMetadata)
+        if meta.step != (self.last_meta.step + 1 if self.last_meta else 1):
+            raise ProtocolError(f"step {meta.step} after {self.last_meta and self.last_meta.step}")
+        self.last_meta = meta
         self._sync_tables(so)
         self._check_tables(so)
+        self._hot_regions(meta, so)
+        self._reused(meta)
         self._transfers(meta)
         self._copy_on_write(meta)
         self._forward(so)

@@ -16,6 +16,7 @@ import numpy as np
 from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES
+from vllm.v1.hisparse.coordinator import _CLEAN
 from vllm.v1.hisparse.kv_cache_coordinator import HiSparseKVCacheCoordinator
 
 
@@ -115,8 +116,8 @@ def check_invariants(scheduler: Scheduler) -> None:
             nulls = sum(t.is_null for t in tables[0]) if tables[0] else 0
             assert nulls == 0 or st.hot_required, (
                 f"INV-21: {req_id} reads from host without being hot-required")
-        assert st.num_null_pages == sum(b.is_null for b in tables[0]), (
-            f"{req_id}: null page count drifted")
+        assert (st.dirty_from != _CLEAN) == (st in hs._dirty), (
+            f"{req_id}: dirty_from {st.dirty_from} disagrees with the dirty set (R4)")
         for p in st.pending:
             assert p not in st.valid, f"INV-16: {req_id} page {p} pending and valid"
         pending_total += len(st.pending)
@@ -127,6 +128,7 @@ def check_invariants(scheduler: Scheduler) -> None:
             assert not blk.is_null, f"INV-6: {req_id} page {p} has no host block"
             if blk.block_hash is not None and p >= num_cached:
                 assert p in st.valid, f"INV-18: {req_id} page {p} published but not durable"
+    assert all(hs.is_current(st) for st in hs._dirty), "a freed state is still dirty"
     tids = [s.transfer_id for s in hs.pending_spills.values()]
     assert len(tids) == len(set(tids))
     live_pending = sum(1 for s in hs.pending_spills.values() if hs.is_current(s.state))

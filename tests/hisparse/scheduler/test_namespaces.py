@@ -87,7 +87,7 @@ def test_new_source_blocks_are_announced_for_hot_invalidation(build):
     for _ in range(80):
         before = {r: list(src.req_to_blocks.get(r, [])) for r in ("a", "b")}
         so = run_step(s, w)
-        announced = set(so.kv_connector_metadata.new_source_block_ids)
+        announced = set(so.kv_connector_metadata.new_source_block_ids.tolist())
         for req_id in ("a", "b"):
             after = src.req_to_blocks.get(req_id, [])
             new = {b.block_id for b in after[len(before[req_id]):]}
@@ -152,7 +152,9 @@ def test_host_copy_on_write_is_sent_and_released_on_ack(build):
     check_invariants(s)
     assert s.connector.has_pending_push_work()
     so = run_step(s, w)
-    assert so.kv_connector_metadata.cow_copies == [(source.block_id, destination.block_id)]
+    meta = so.kv_connector_metadata
+    assert meta.cow_src.tolist() == [source.block_id]
+    assert meta.cow_dst.tolist() == [destination.block_id]
     assert destination.ref_cnt == 0 and source.ref_cnt == 1  # released on the ack
     assert (w.host[destination.block_id * 64:(destination.block_id + 1) * 64]
             == w.host[source.block_id * 64:(source.block_id + 1) * 64]).all()

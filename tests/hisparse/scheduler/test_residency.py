@@ -61,20 +61,20 @@ def test_s1_only_sealed_pages_are_planned_within_budget(build):
         s.add_request(r)
     w.hold = set(range(1, 1000))  # keep everything in flight
     so = step(s, w)
-    planned = so.kv_connector_metadata.page_transfers
+    planned = so.kv_connector_metadata
     budget = 512 // B
-    assert len(planned) == budget  # 12 sealed pages, the budget is 8
-    assert all(t.after_forward and not t.restore for t in planned)
+    assert planned.num_transfers == budget  # 12 sealed pages, the budget is 8
+    assert not planned.transfer_restore.any()  # spills, after the forward
     so = step(s, w)
-    second = so.kv_connector_metadata.page_transfers
-    assert len(second) == 12 - budget
-    pages = {(t.host_block_id) for t in planned + second}
+    second = so.kv_connector_metadata
+    assert second.num_transfers == 12 - budget
+    pages = {*planned.transfer_host_blocks.tolist(), *second.transfer_host_blocks.tolist()}
     assert len(pages) == 12  # no page planned twice (INV-16)
     # The request with 296 prompt tokens sealed 4 pages, not 5.
     assert sorted(hs(s).states["r2"].pending) == [0, 1, 2, 3]
     # Held transfers are never re-sent while in flight (decode seals nothing).
     for _ in range(2):
-        assert step(s, w).kv_connector_metadata.page_transfers == []
+        assert step(s, w).kv_connector_metadata.num_transfers == 0
     assert len(hs(s).pending_spills) == 12
 
 
@@ -210,10 +210,11 @@ def test_s7_reuse_nulls_exactly_the_owners_and_reaches_the_worker(build):
     saw_update = False
     for _ in range(40):
         so = step(s, w)
-        upd = so.kv_connector_metadata.residency_updates.get("a")
-        if upd is not None:
+        meta = so.kv_connector_metadata
+        if "a" in meta.update_req_ids:
             saw_update = True
-            assert all(bid == 0 for bid in upd.block_ids[0][:1])
+            _, _, rows = meta.residency_update(meta.update_req_ids.index("a"))
+            assert (rows[:1] == 0).all()  # the first rewritten page was lost
         if hs(s).stats.lost_pages > lost_before and saw_update:
             break
     assert hs(s).stats.lost_pages > lost_before and saw_update

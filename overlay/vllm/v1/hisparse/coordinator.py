@@ -21,13 +21,15 @@ This class owns logical host identity: which host block backs which page,
 what may be published to the prefix cache (only durable pages), which GPU
 blocks hold clean copies of published host blocks (``copies``) and who owns
 an unpinned block (``owners``). It never touches bytes: it emits transfers,
-residency updates and row-mirror envelopes for the worker (INV-2), and it
-consumes the worker's acks.
+residency updates, CoW pairs and the step's block events (new host blocks,
+reused GPU blocks, hot regions) for the worker as flat arrays (INV-2,
+``vllm.v1.hisparse.metadata``), and it consumes the worker's acks.
 
 Hot path: ``advance_scheduled`` runs once per scheduled request per step and
 ``build_step_metadata`` once per step. Both loop over pages (at most the
 pages a step touches, plus a request's first unpin of its history), never
-over tokens.
+over tokens; ``build_step_metadata`` visits only the requests whose resident
+table changed (``_dirty``), not every scheduled request.
 """
 
 import sys
@@ -35,19 +37,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metadata import (
-    HiSparseStepMetadata,
-    HiSparseWorkerAck,
-    PageTransfer,
-    ResidencyUpdate,
-    RowMirror,
-)
+import numpy as np
+
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
 from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
@@ -81,12 +78,12 @@ class RequestResidency:
     """page -> transfer id in flight."""
     pinned_clean: set[int] = field(default_factory=set)
     unpinned: set[int] = field(default_factory=set)
-    num_null_pages: int = 0
-    """Resident entries that are the null block (lost or host-only pages)."""
     pages_to_adopt: int = 0
     copies_recorded: int = 0
     dirty_from: int = _CLEAN
-    """First page whose resident entry changed since the worker last saw it."""
+    """First page whose resident entry changed since the worker last saw it
+    (``_CLEAN`` when none); a state with a change is in the coordinator's
+    ``_dirty`` set until the update is sent."""
     publication: int | None = None
     """Tokens the source manager asked to publish (4.4); None when none."""
     hot_required: bool = False
@@ -119,6 +116,11 @@ class Spill:
     restore: bool = False
     enqueued: frozenset[int] = frozenset()
     completed: frozenset[int] = frozenset()
+    planned_step: int = 0
+    """The step whose metadata carried the transfer (0: not sent yet). The
+    forward of that step writes (or wrote) the page's last rows (F17)."""
+    submitted_step: int | None = None
+    """The step after whose forward the workers submitted it, as last reported."""
 
 
 @dataclass
@@ -128,6 +130,10 @@ class HiSparseSchedulerStats:
     lost_pages: int = 0
     spills_planned: int = 0
     spills_completed: int = 0
+    spills_cancelled: int = 0
+    """Planned, then dropped before any worker saw them (R15)."""
+    completions_ignored: int = 0
+    """Completions reported for a submission before the planned step (F17)."""
     pages_unpinned: int = 0
     pages_adopted: int = 0
 
@@ -175,16 +181,26 @@ class HiSparseCoordinator:
         self.hots: tuple[HiSparseHotManager, ...] = ()
 
         self.states: dict[str, RequestResidency] = {}
+        self.step = 0
+        """The last step whose metadata was built (the first step is 1)."""
         self.pending_spills: dict[int, Spill] = {}
-        self._spills_to_send: list[PageTransfer] = []
+        self._spills_to_send: list[Spill] = []
         self._retired: list[int] = []
         self._next_transfer_id = 1
+        # Live states whose resident table changed since the worker saw it
+        # (an ordered set: dicts keep insertion order, so metadata is
+        # deterministic).
+        self._dirty: dict[RequestResidency, None] = {}
         # Published host block hash -> one GPU block per resident group.
         self.copies: dict[object, tuple[KVCacheBlock, ...]] = {}
         self._copy_of_block: dict[int, object] = {}
         # Unpinned GPU block id -> {(request state, page)} reading it.
         self.owners: dict[int, set[tuple[RequestResidency, int]]] = {}
         self._new_source_block_ids: list[int] = []
+        # This step's GPU block events (ordered sets of block ids).
+        self._reused: dict[int, None] = {}
+        self._hot_allocated: dict[int, None] = {}
+        self._hot_freed: list[int] = []
         self._cow_pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         self._cow_in_flight: dict[int, tuple[KVCacheBlock, KVCacheBlock]] = {}
         self.stats = HiSparseSchedulerStats()
@@ -251,6 +267,23 @@ class HiSparseCoordinator:
         """Host blocks (re)allocated this step (hot invalidation, 4.8)."""
         self._new_source_block_ids.extend(b.block_id for b in blocks)
 
+    def note_hot_region_allocated(self, first_block: KVCacheBlock) -> None:
+        """A request got a hot region (its first block in the first hot
+        group): the worker assigns it a freshly reset state slot (INV-5,
+        INV-24)."""
+        self._hot_allocated[first_block.block_id] = None
+
+    def note_hot_region_freed(self, first_block: KVCacheBlock) -> None:
+        """A request's hot region was released (freed, finished, preempted).
+        A region allocated and released before any worker heard of it (a
+        request preempted in the pass that admitted its region) is dropped
+        from both lists (R17)."""
+        block_id = first_block.block_id
+        if block_id in self._hot_allocated:
+            del self._hot_allocated[block_id]
+        else:
+            self._hot_freed.append(block_id)
+
     def note_cow(self, source: KVCacheBlock, destination: KVCacheBlock) -> None:
         """A host CoW pair (4.12). The caller hands over one reference on
         each endpoint; they are released when the workers report the
@@ -296,7 +329,6 @@ class HiSparseCoordinator:
         st.next_plan = max(st.next_plan, num_pages)
         st.pages_to_adopt = num_pages
         st.copies_recorded = max(st.copies_recorded, num_pages)
-        st.num_null_pages += new_pages
         st.hot_required = True
 
     def publish_when_ready(self, request: Request, num_tokens: int) -> None:
@@ -357,18 +389,9 @@ class HiSparseCoordinator:
         tid = self._next_transfer_id
         self._next_transfer_id += 1
         st.pending[page] = tid
-        self.pending_spills[tid] = Spill(
-            tid, st, page, host_block, resident_blocks, restore=restore
-        )
-        self._spills_to_send.append(
-            PageTransfer(
-                transfer_id=tid,
-                host_block_id=host_block.block_id,
-                resident_block_ids=tuple(b.block_id for b in resident_blocks),
-                after_forward=not restore,
-                restore=restore,
-            )
-        )
+        spill = Spill(tid, st, page, host_block, resident_blocks, restore=restore)
+        self.pending_spills[tid] = spill
+        self._spills_to_send.append(spill)
         self.stats.spills_planned += 1
 
     def _update_residency(
@@ -414,7 +437,10 @@ class HiSparseCoordinator:
         self.stats.pages_unpinned += len(pages)
 
     def _on_block_reused(self, block: KVCacheBlock) -> None:
-        """The pool handed an unpinned block to someone else (4.6 step 2)."""
+        """The pool handed an unpinned block to someone else (4.6 step 2).
+        The block is reported to the workers this step (F16): a step still
+        in flight may read its old bytes."""
+        self._reused[block.block_id] = None
         self._drop_copy(block.block_id)
         for st, page in self.owners.pop(block.block_id, ()):
             self._lose_page(st, page, block.block_id)
@@ -431,8 +457,9 @@ class HiSparseCoordinator:
                         del self.owners[blk.block_id]
             t[page] = self.gpu_pool.null_block
         st.unpinned.discard(page)
-        st.num_null_pages += 1
-        st.dirty_from = min(st.dirty_from, page)
+        if page < st.dirty_from:
+            st.dirty_from = page
+            self._dirty[st] = None
         st.hot_required = True
         self.stats.lost_pages += 1
 
@@ -490,8 +517,9 @@ class HiSparseCoordinator:
             for t, b in zip(tables, blocks):
                 t[p] = b
             st.pinned_clean.add(p)
-            st.num_null_pages -= 1
-            st.dirty_from = min(st.dirty_from, p)
+            if p < st.dirty_from:
+                st.dirty_from = p
+                self._dirty[st] = None
             self.stats.pages_adopted += 1
         st.pages_to_adopt = 0
 
@@ -527,7 +555,12 @@ class HiSparseCoordinator:
     # ------------------------------------------------------------ acks
 
     def update_spills(self, ack: HiSparseWorkerAck) -> None:
-        """Apply aggregated worker acks (4.3): CoW first, then spills."""
+        """Apply aggregated worker acks (4.3): CoW first, then spills.
+
+        A spill's completion counts only if the workers submitted it after
+        the forward of the step that carried it (F17, ``submitted_step``);
+        an earlier submission proves nothing about the KV and is ignored.
+        Completions otherwise accumulate as rank sets (R1)."""
         for dst in ack.cow_done:
             pair = self._cow_in_flight.pop(dst, None)
             if pair is not None:
@@ -536,11 +569,26 @@ class HiSparseCoordinator:
             spill = self.pending_spills.get(tid)
             if spill is not None:
                 spill.enqueued |= ranks
+        for tid, step in ack.submitted_step.items():
+            spill = self.pending_spills.get(tid)
+            if spill is not None:
+                spill.submitted_step = step
         advanced: dict[int, RequestResidency] = {}
         for tid, ranks in ack.completed.items():
             spill = self.pending_spills.get(tid)
             if spill is None:
                 continue  # retired already: a repeated or duplicated ack
+            if not spill.restore and (
+                spill.submitted_step is None
+                or spill.submitted_step < spill.planned_step
+            ):
+                self.stats.completions_ignored += 1
+                logger.debug(
+                    "HiSparse: ignoring the completion of transfer %d: submitted "
+                    "after the forward of step %s, planned for step %d (F17)",
+                    tid, spill.submitted_step, spill.planned_step,
+                )
+                continue
             spill.completed |= ranks
             if spill.enqueued and spill.completed >= spill.enqueued:
                 self._finish_spill(spill)
@@ -579,13 +627,17 @@ class HiSparseCoordinator:
         Clean pages become anonymous readable copies (unpinned, tail-first);
         pages already unpinned leave the owner sets; dirty and pending pages
         are left to the managers' normal free (a pending page's transfer
-        lease keeps it alive). A finished request with spills pending
-        detaches its host prefix for a single later publication; a preempted
-        one drops its publication (INV-19).
+        lease keeps it alive). Spills planned in the current scheduling pass
+        and not yet sent are cancelled (R15, F17). A finished request with
+        spills pending detaches its host prefix for a single later
+        publication; a preempted one drops its publication (INV-19).
         """
         st = self.states.pop(request_id, None)
         if st is None:
             return
+        self._dirty.pop(st, None)
+        if st.pending:
+            self._cancel_unsent_spills(st)
         tables = self._tables(request_id) if self.residents else []
         if tables and tables[0]:
             null = self.gpu_pool.null_block
@@ -613,6 +665,27 @@ class HiSparseCoordinator:
             self._detach(st)
         st.publication = None
 
+    def _cancel_unsent_spills(self, st: RequestResidency) -> None:
+        """Drop the spills no worker has seen (R15). They were planned in
+        this scheduling pass for pages its forward would have sealed; the
+        request left the pass (preempted while scheduling a later request),
+        so that forward never writes them (F17). Their leases go back now."""
+        cancelled: set[int] = set()
+        for page, tid in list(st.pending.items()):
+            spill = self.pending_spills[tid]
+            if spill.planned_step:
+                continue  # sent: the workers will complete it (leases until then)
+            del self.pending_spills[tid]
+            del st.pending[page]
+            self.gpu_pool.free_blocks(spill.resident_blocks)
+            self.host_pool.free_blocks([spill.host_block])
+            cancelled.add(tid)
+        if cancelled:
+            self._spills_to_send = [
+                s for s in self._spills_to_send if s.transfer_id not in cancelled
+            ]
+            self.stats.spills_cancelled += len(cancelled)
+
     def _detach(self, st: RequestResidency) -> None:
         assert st.request is not None and st.publication is not None
         host = self._host_table(st.request_id)
@@ -631,82 +704,99 @@ class HiSparseCoordinator:
     def build_step_metadata(
         self, scheduler_output: "SchedulerOutput", num_lookahead_tokens: int = 0
     ) -> HiSparseStepMetadata:
-        """Drain this step's outputs in the order of spec 4.1 step 3."""
-        meta = HiSparseStepMetadata()
-        full_table = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-        full_table |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
-        all_resident = True
-        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            st = self.states.get(req_id)
-            if st is None or st.request is None:
-                continue
-            tables = self._tables(req_id)
-            if req_id in full_table:
-                st.dirty_from = _CLEAN  # the worker receives the whole table
-            elif st.dirty_from != _CLEAN:
-                start = st.dirty_from
-                meta.residency_updates[req_id] = ResidencyUpdate(
-                    start_page=start,
-                    block_ids=tuple(
-                        tuple(b.block_id for b in t[start:]) for t in tables
-                    ),
-                )
-                st.dirty_from = _CLEAN
-            mirrors = self._envelope(st, tables, num_scheduled, num_lookahead_tokens)
-            if mirrors:
-                meta.row_mirrors[req_id] = mirrors
-            if st.num_null_pages:
-                all_resident = False
-        meta.page_transfers = self._spills_to_send
-        self._spills_to_send = []
-        for src, dst in self._cow_pairs:
-            meta.cow_copies.append((src.block_id, dst.block_id))
-            self._cow_in_flight[dst.block_id] = (src, dst)
-        self._cow_pairs = []
-        meta.new_source_block_ids = self._new_source_block_ids
-        self._new_source_block_ids = []
-        meta.all_context_pages_resident = all_resident
-        meta.retired_transfer_ids = self._retired
-        self._retired = []
+        """Drain this step's outputs (spec 4.1 step 3) into flat arrays.
+
+        ``num_lookahead_tokens`` is accepted for the connector's call and
+        unused: the workers mirror exactly the rows each forward wrote, so
+        the scheduler sends no envelopes (docs/residency.md R16)."""
+        self.step += 1
+        g = len(self.residents)
+        meta = HiSparseStepMetadata(step=self.step)
+        meta.transfer_resident_blocks = np.zeros((0, g), dtype=np.int32)
+        meta.update_block_ids = np.zeros((0, g), dtype=np.int32)
+        if self._dirty:
+            self._residency_updates(meta, scheduler_output, g)
+        spills = self._spills_to_send
+        if spills:
+            self._spills_to_send = []
+            for spill in spills:
+                spill.planned_step = self.step
+            meta.transfer_ids = np.array(
+                [s.transfer_id for s in spills], dtype=np.int64
+            )
+            meta.transfer_host_blocks = np.array(
+                [s.host_block.block_id for s in spills], dtype=np.int32
+            )
+            meta.transfer_resident_blocks = np.array(
+                [[b.block_id for b in s.resident_blocks] for s in spills],
+                dtype=np.int32,
+            ).reshape(len(spills), g)
+            meta.transfer_restore = np.array(
+                [s.restore for s in spills], dtype=np.bool_
+            )
+        if self._cow_pairs:
+            pairs, self._cow_pairs = self._cow_pairs, []
+            meta.cow_src = np.array([s.block_id for s, _ in pairs], dtype=np.int32)
+            meta.cow_dst = np.array([d.block_id for _, d in pairs], dtype=np.int32)
+            for src, dst in pairs:
+                self._cow_in_flight[dst.block_id] = (src, dst)
+        if self._new_source_block_ids:
+            meta.new_source_block_ids = np.array(
+                self._new_source_block_ids, dtype=np.int32
+            )
+            self._new_source_block_ids = []
+        if self._hot_freed:
+            meta.hot_regions_freed = np.array(self._hot_freed, dtype=np.int32)
+            self._hot_freed = []
+        if self._hot_allocated:
+            meta.hot_regions_allocated = np.fromiter(
+                self._hot_allocated, dtype=np.int32, count=len(self._hot_allocated)
+            )
+            self._hot_allocated = {}
+        if self._reused:
+            meta.reused_block_ids = np.fromiter(
+                self._reused, dtype=np.int32, count=len(self._reused)
+            )
+            self._reused = {}
+        if self._retired:
+            meta.retired_transfer_ids = np.array(self._retired, dtype=np.int64)
+            self._retired = []
         return meta
 
-    def _envelope(
-        self,
-        st: RequestResidency,
-        tables: list[list[KVCacheBlock]],
-        num_scheduled: int,
-        num_lookahead: int,
-    ) -> list[RowMirror]:
-        """Rows this step may write, split at pages (4.9). A page without a
-        resident block or a host block is skipped on its own."""
-        request = st.request
-        assert request is not None
-        b = self.block_size
-        placeholders = request.num_output_placeholders if num_lookahead else 0
-        s0 = max(request.num_computed_tokens - placeholders, 0)
-        host = self._host_table(st.request_id)
-        s1 = min(
-            request.num_computed_tokens + num_scheduled + num_lookahead,
-            len(tables[0]) * b,
-            len(host) * b,
-        )
-        mirrors: list[RowMirror] = []
-        for page in range(s0 // b, cdiv(s1, b)):
-            lo, hi = max(s0, page * b), min(s1, (page + 1) * b)
-            host_block = host[page]
-            if hi <= lo or host_block.is_null:
+    def _residency_updates(
+        self, meta: HiSparseStepMetadata, so: "SchedulerOutput", g: int
+    ) -> None:
+        """Residency updates (4.6 step 4) of the dirty requests scheduled
+        this step, as CSR rows [start page, end of table) x G. New and
+        resumed requests receive their whole table through vLLM's own block
+        ids, so they need none; unscheduled ones stay dirty."""
+        scheduled = so.num_scheduled_tokens
+        full_table: set[str] | None = None
+        req_ids: list[str] = []
+        starts: list[int] = []
+        rows: list[np.ndarray] = []
+        for st in list(self._dirty):
+            req_id = st.request_id
+            if req_id not in scheduled:
                 continue
-            off = lo - page * b
-            starts = []
-            for t in tables:
-                blk = t[page]
-                if blk.is_null:
-                    break
-                starts.append(blk.block_id * b + off)
-            else:
-                mirrors.append(RowMirror(
-                    src_row_start=tuple(starts),
-                    host_row_start=host_block.block_id * b + off,
-                    num_rows=hi - lo,
-                ))
-        return mirrors
+            del self._dirty[st]
+            start, st.dirty_from = st.dirty_from, _CLEAN
+            if full_table is None:
+                full_table = {r.req_id for r in so.scheduled_new_reqs}
+                full_table |= so.scheduled_cached_reqs.resumed_req_ids
+            if req_id in full_table:
+                continue
+            req_ids.append(req_id)
+            starts.append(start)
+            rows.append(np.array(
+                [[b.block_id for b in t[start:]] for t in self._tables(req_id)],
+                dtype=np.int32,
+            ).reshape(g, -1).T)
+        if not req_ids:
+            return
+        meta.update_req_ids = req_ids
+        meta.update_start_pages = np.array(starts, dtype=np.int32)
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=indptr[1:])
+        meta.update_indptr = indptr
+        meta.update_block_ids = np.ascontiguousarray(np.concatenate(rows))

@@ -17,7 +17,10 @@ It wires the three HiSparse managers to one ``HiSparseCoordinator`` and
 forwards the per-step hooks: ``cache_blocks`` (after each request's
 allocation) drives materialization and residency, ``free`` /
 ``pop_blocks_for_free`` let the coordinator turn clean pages into readable
-copies before the managers release the rest.
+copies before the managers release the rest. It also reports every hot
+region it allocates (lockstep allocation of the hot set) and releases
+(``free`` / ``pop_blocks_for_free``), by the region's first block in the
+first hot group, for the workers' state slots (INV-5, INV-24).
 """
 
 from collections.abc import Sequence
@@ -167,6 +170,9 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         self._lockstep = tuple(
             g for g in (self.resident_group_ids, self.hot_group_ids) if g
         )
+        # A hot region is named by its first block in the first hot group
+        # (the workers key a request-state slot by it, INV-5/INV-24).
+        self._hot_lead = self.hot_group_ids[0] if self.hot_group_ids else None
         paired = {*self.resident_group_ids, *self.hot_group_ids}
         self._own_group_ids = tuple(
             g for g in range(len(self.single_type_managers)) if g not in paired
@@ -332,14 +338,20 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 request_id, num_tokens, num_tokens_main_model
             )
         for group_ids in self._lockstep:
-            n = managers[group_ids[0]].num_new_blocks(request_id, num_tokens)
+            lead = managers[group_ids[0]]
+            n = lead.num_new_blocks(request_id, num_tokens)
             if n == 0:
                 continue
+            new_region = group_ids[0] == self._hot_lead and not lead.req_to_blocks.get(
+                request_id
+            )
             # One pool call for the whole set; reuse watchers fire inside it.
             blocks = self.block_pool.get_new_blocks(n * len(group_ids))
             for i, gid in enumerate(group_ids):
                 out[gid] = blocks[i * n:(i + 1) * n]
                 managers[gid].req_to_blocks[request_id].extend(out[gid])
+            if new_region:
+                self.hisparse.note_hot_region_allocated(blocks[0])
         return tuple(out)
 
     def remove_skipped_blocks(
@@ -377,8 +389,19 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                     managers[gid].num_cached_block.setdefault(req_id, 0)
         self.hisparse.advance_scheduled(request, num_computed_tokens)
 
+    def _release_hot_region(self, request_id: str) -> None:
+        """Report the request's hot region as released; called once, before
+        the managers drop the request's tables."""
+        if self._hot_lead is not None:
+            region = self.single_type_managers[self._hot_lead].req_to_blocks.get(
+                request_id
+            )
+            if region:
+                self.hisparse.note_hot_region_freed(region[0])
+
     def free(self, request_id: str) -> None:
         self.hisparse.free(request_id)
+        self._release_hot_region(request_id)
         super().free(request_id)
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
@@ -387,6 +410,7 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         step's host writes are stream-ordered before any new owner's, and hot
         entries keyed by their rows are invalidated on reallocation (4.8)."""
         self.hisparse.free(request_id)
+        self._release_hot_region(request_id)
         blocks: list[KVCacheBlock] = []
         for gid, manager in enumerate(self.single_type_managers):
             popped = manager.pop_blocks_for_free(request_id)

@@ -192,6 +192,7 @@ def test_engine_config_round_trip(glm_model_dir):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args([
         "--model", glm_model_dir, "--skip-tokenizer-init", "--max-model-len", "4096",
+        "--kv-cache-dtype", "fp8",
         "--attention-config.hisparse_config", '{"host_pool_gib": 1}']))
     vllm_config = args.create_engine_config()
     assert vllm_config.attention_config.hisparse_config == HiSparseConfig(

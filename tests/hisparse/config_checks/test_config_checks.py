@@ -13,7 +13,13 @@ import psutil
 import pytest
 
 from tests.hisparse.layout.hs_layout_builders import write_sparse_mla_config
-from vllm.config import AttentionConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    VllmConfig,
+)
 from vllm.config.hisparse import HiSparseConfig
 from vllm.v1.hisparse import config_checks as cc
 from vllm.v1.hisparse.config_checks import HiSparseConfigError
@@ -104,7 +110,8 @@ def test_hybrid_kv_cache_manager_required():
 
 
 def test_speculation_mtp_only():
-    """6.3 #15."""
+    """6.3 #15: proposers other than MTP are refused; MTP itself is refused
+    for now, with its own message (the drafter's layer is not mirrored)."""
     with raises(
         "HiSparse supports speculative decoding with MTP only; "
         "speculative_config.method=eagle3. Use method 'mtp' (or no speculation), "
@@ -112,7 +119,55 @@ def test_speculation_mtp_only():
     ):
         cc.check_speculative_method("eagle3")
     cc.check_speculative_method(None)
-    cc.check_speculative_method("mtp")
+    with pytest.raises(HiSparseConfigError, match="does not run speculative decoding yet"):
+        cc.check_speculative_method("mtp")
+
+
+def test_f15_full_input_reservation_is_required():
+    """F15: scheduler_reserve_full_isl=False is refused before the model
+    loads (admission must reserve the full input in the host pool)."""
+    with pytest.raises(HiSparseConfigError, match="scheduler_reserve_full_isl=True"):
+        cc.check_full_isl_reservation(False)
+    cc.check_full_isl_reservation(True)
+
+
+def test_prefix_caching_is_required_at_config_time():
+    with pytest.raises(HiSparseConfigError, match="--no-enable-prefix-caching"):
+        cc.check_prefix_caching(False)
+    cc.check_prefix_caching(True)
+    cc.check_prefix_caching(None)
+
+
+@pytest.mark.parametrize("dtype,heads,message", [
+    ("auto", 64, "fp8_ds_mla KV cache only"),
+    ("bfloat16", 64, "fp8_ds_mla KV cache only"),
+    ("fp8", 16, "at least 32 attention heads per rank"),
+])
+def test_attention_path_refusals(dtype, heads, message):
+    """K8 (docs/worker.md): the bf16 cache and FlashMLA's FP8 mixed-batch
+    path (fewer than 32 heads per rank) are refused before the model loads."""
+    with pytest.raises(HiSparseConfigError, match=message):
+        cc.check_attention_path(dtype, heads)
+    cc.check_attention_path("fp8", 64)
+    cc.check_attention_path("fp8_ds_mla", 32)
+
+
+def test_micro_batching_is_refused():
+    with pytest.raises(HiSparseConfigError, match="micro-batching"):
+        cc.check_micro_batching(True)
+    cc.check_micro_batching(False)
+
+
+def test_defaults_force_mqa_prefill_only_when_on():
+    """K9: HiSparse implies sparse-MLA prefill through MQA; off: unchanged."""
+    on = VllmConfig(attention_config=AttentionConfig(
+        hisparse_config=HiSparseConfig(host_pool_gib=1)))
+    off = VllmConfig()
+    on.attention_config.sparse_mla_force_mqa = False
+    cc.apply_hisparse_defaults(on)
+    cc.apply_hisparse_defaults(off)
+    assert on.attention_config.sparse_mla_force_mqa is True
+    assert off.attention_config.sparse_mla_force_mqa is False
 
 
 def test_device_buffer_below_q_times_k():
@@ -272,6 +327,7 @@ def vllm_config_for(model: str, hisparse: dict | None) -> VllmConfig:
             model=model, max_model_len=2048, skip_tokenizer_init=True
         ),
         attention_config=attention,
+        cache_config=CacheConfig(cache_dtype="fp8"),
     )
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return vllm_config

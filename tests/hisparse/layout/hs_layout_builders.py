@@ -67,8 +67,9 @@ def write_sparse_mla_config(directory, num_layers: int = 4, **extra) -> str:
         "model_type": "deepseek_v32",
         "hidden_size": 1024,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
+        # 32: the fewest heads per rank HiSparse's attention path serves.
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
         "kv_lora_rank": 512,
         "q_lora_rank": 256,
         "qk_nope_head_dim": 128,

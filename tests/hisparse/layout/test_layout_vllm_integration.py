@@ -16,7 +16,7 @@ import psutil
 import pytest
 from hs_layout_builders import GiB, write_sparse_mla_config
 
-from vllm.config import AttentionConfig, ModelConfig, VllmConfig
+from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
 from vllm.config.hisparse import HiSparseConfig
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
@@ -58,7 +58,11 @@ def make_config(model_dir, hisparse: dict | None, max_model_len=8192, **cache):
     attention = AttentionConfig(
         hisparse_config=HiSparseConfig(**hisparse) if hisparse is not None else None
     )
-    vllm_config = VllmConfig(model_config=model_config, attention_config=attention)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        attention_config=attention,
+        cache_config=CacheConfig(cache_dtype="fp8"),
+    )
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     vllm_config.scheduler_config.max_num_batched_tokens = 8192
     for key, value in cache.items():

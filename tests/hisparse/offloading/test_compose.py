@@ -51,7 +51,8 @@ def config(tmp_path):
                 max_model_len=4096,
             ),
             cache_config=CacheConfig(
-                block_size=B, enable_prefix_caching=True, **cache_kwargs
+                block_size=B, enable_prefix_caching=True, cache_dtype="fp8",
+                **cache_kwargs
             ),
             attention_config=AttentionConfig(
                 hisparse_config=HiSparseConfig(host_pool_gib=host_pool_gib)

@@ -345,20 +345,6 @@ def make_models(stage: Path) -> dict[str, Path]:
     return dirs
 
 
-def save_checkpoint(llm, model_dir: Path, ckpt: Path) -> None:
-    """The re-initialised weights as a sharded-state checkpoint, for the
-    `vllm serve` check (tests/e2e/serve_check.py)."""
-    import shutil
-
-    if any(ckpt.glob("*.safetensors")):
-        return
-    ckpt.mkdir(parents=True, exist_ok=True)
-    llm.collective_rpc("save_sharded_state", args=(str(ckpt),))
-    for item in model_dir.iterdir():
-        if item.is_file():
-            shutil.copy(item, ckpt / item.name)
-
-
 def shutdown(llm) -> None:
     import torch
 
@@ -433,10 +419,15 @@ def main() -> int:
         rec["init_s"] = round(time.time() - t0, 1)
         rec["llm_kwargs"] = {k: str(v) for k, v in kw.items()}
         rec["defaults"] = resolved_defaults(llm)
-        rec["reinit_params"] = llm.apply_model(reinit)[0]
-        if name == "off_default":
-            save_checkpoint(llm, model_dirs["glm"], Path(a.stage) / "tiny_glm5_ckpt")
-        instrument(llm)
+        try:
+            rec["reinit_params"] = llm.apply_model(reinit)[0]
+            instrument(llm)
+        except Exception:
+            rec["error"] = traceback.format_exc()[-6000:]
+            failures += 1
+            shutdown(llm)
+            save()
+            continue
         log("engine", name, "ready in", rec["init_s"], "s", rec["defaults"])
         for scenario in PLAN[name]:
             if only is not None and scenario not in only:

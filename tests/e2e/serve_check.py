@@ -2,8 +2,9 @@
 """`vllm serve` with the blog's two flags answers /v1/completions identically
 to HiSparse off (issue: the user's command; spec 6.2).
 
-Runs ON the GPU host after tests/e2e/run_e2e.py has saved the seeded
-checkpoint (sharded state of the tiny GLM-5-architecture model). Starts two
+Runs ON the GPU host on the tiny GLM-5-architecture model directory that
+tests/e2e/run_e2e.py writes, with seeded weights (the test-only load format
+``hisparse_seeded`` of tests/e2e/seeded_weights). Starts two
 OpenAI-compatible servers side by side on one GPU, vLLM's defaults left on:
 HiSparse off, and HiSparse on with
 
@@ -15,7 +16,7 @@ HiSparse off, and HiSparse on with
 and a GPU pool small enough to force spills, then sends the same greedy
 completion requests to both and compares the answers.
 
-usage: python3 tests/e2e/serve_check.py --out DIR [--checkpoint DIR]
+usage: python3 tests/e2e/serve_check.py --out DIR [--model DIR]
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ HISPARSE_FLAGS = [
 ]
 
 
-def server_command(checkpoint: Path, port: int, hisparse: bool) -> list[str]:
+def server_command(model: Path, port: int, hisparse: bool) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(checkpoint), "--load-format", "sharded_state",
+           "--model", str(model), "--load-format", "hisparse_seeded",
            "--port", str(port), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
            "--max-model-len", str(MAX_MODEL_LEN),
            "--max-num-batched-tokens", str(BATCHED_TOKENS),
@@ -86,17 +87,20 @@ def complete(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--checkpoint", default=os.path.join(
-        os.environ.get("HISPARSE_STAGE", "/root/stage"), "tiny_glm5_ckpt"))
+    ap.add_argument("--model", default=os.path.join(
+        os.environ.get("HISPARSE_STAGE", "/root/stage"), "tiny_glm5"))
     ap.add_argument("--timeout", type=float, default=400)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = Path(a.checkpoint)
-    if not any(ckpt.glob("*.safetensors")):
-        print(f"no checkpoint at {ckpt}: run tests/e2e/run_e2e.py first", flush=True)
-        return 2
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    ckpt = Path(a.model)
+    if not (ckpt / "config.json").exists():
+        subprocess.run([sys.executable, str(HERE / "make_tiny_glm5.py"), str(ckpt)],
+                       check=True)
+    plugin = str(HERE / "seeded_weights")
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(
+                   [plugin] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default
     procs = {}
     result: dict = {"flags": HISPARSE_FLAGS, "requests": []}

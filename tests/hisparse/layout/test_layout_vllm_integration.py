@@ -107,13 +107,18 @@ def test_hisparse_off_is_vllm(model_dir):
     assert len(configs[0].kv_cache_groups) == 1
 
 
+STAGING = 8192 // 64 + 8192 // 64
+
+
 def test_get_kv_cache_configs_builds_hisparse(model_dir, plenty_of_ram, layout_log):
     """3.1-3.5 end to end: group order and roles, N_gpu = min over workers of
     available // bytes_per_block, host pool outside kv_cache_tensors, the
     steady-state capacity, the scheduler-side collapse and the 6.4 lines."""
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0})
     specs = model_specs()
-    memory = [1000 * BPB + 5, 1200 * BPB]
+    # 256 blocks of in-slab staging (cdiv(8192, 64) + cdiv(8192, 64), K13)
+    # come off the available memory.
+    memory = [(1000 + STAGING) * BPB + 5, (1200 + STAGING) * BPB]
     configs = get_kv_cache_configs(vllm_config, [specs, dict(specs)], memory)
     assert all(isinstance(c, HiSparseKVCacheConfig) for c in configs)
     config = configs[0]
@@ -128,7 +133,8 @@ def test_get_kv_cache_configs_builds_hisparse(model_dir, plenty_of_ram, layout_l
     # Host: 1 GiB / (4 * P) = 6393 blocks, outside kv_cache_tensors.
     assert config.host_num_blocks == GiB // (4 * P) == 6393
     assert [h.layer_name for h in config.host_kv_cache_tensors] == attn
-    assert {t.size for t in config.kv_cache_tensors} == {1000 * BPB}
+    assert config.staging_blocks == STAGING
+    assert {t.size for t in config.kv_cache_tensors} == {(1000 + STAGING) * BPB}
 
     # Capacity (vLLM's get_kv_cache_capacity, forked): 8192 tokens = 128
     # pages; cap_res = 130 -> 128 per group; H = 2 * 256 = 512 -> 8 blocks;
@@ -171,10 +177,11 @@ def test_memory_check_uses_admission_cost(model_dir, plenty_of_ram):
     """3.5: the "one max_model_len request" check needs the admission cost
     (672 blocks here), not the fully-resident one (128 * 8 blocks)."""
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0})
-    configs = get_kv_cache_configs(vllm_config, [model_specs()], [672 * BPB])
+    configs = get_kv_cache_configs(
+        vllm_config, [model_specs()], [(672 + STAGING) * BPB])
     assert configs[0].num_blocks == 672
     with pytest.raises(ValueError, match=r"max seq len \(8192\)"):
-        get_kv_cache_configs(vllm_config, [model_specs()], [671 * BPB])
+        get_kv_cache_configs(vllm_config, [model_specs()], [(671 + STAGING) * BPB])
 
 
 def test_num_gpu_blocks_override(model_dir, plenty_of_ram):
@@ -186,13 +193,14 @@ def test_num_gpu_blocks_override(model_dir, plenty_of_ram):
 
 
 def test_auto_fit_uses_hisparse_accounting(model_dir, plenty_of_ram):
-    """Auto-fit (max_model_len=-1) searches the 3.5 admission cost (and the
-    host pool): with 400 blocks the largest length satisfying pages +
-    4 * min(pages, cap_res) + 4 * 8 <= 400 is 73 pages."""
+    """Auto-fit (max_model_len=-1) searches the 3.5 admission cost, the
+    in-slab staging blocks (pages + cdiv(8192, 64), K13) and the host pool:
+    with 400 blocks the largest length satisfying pages + 4 * min(pages,
+    cap_res) + 4 * 8 + pages + 128 <= 400 is 40 pages."""
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0}, max_model_len=-1)
     get_kv_cache_configs(vllm_config, [model_specs()], [400 * BPB])
-    # 5 * 73 + 32 = 397 <= 400 < 5 * 74 + 32 = 402.
-    assert vllm_config.model_config.max_model_len == 73 * 64
+    # 6 * 40 + 160 = 400 <= 400 < 6 * 41 + 160 = 406.
+    assert vllm_config.model_config.max_model_len == 40 * 64
 
 
 def test_host_pool_too_small(model_dir, plenty_of_ram):

@@ -30,11 +30,14 @@ from vllm.v1.hisparse.worker import HiSparseWorker, reused_blocks_this_step
 class Rig:
     """A worker over a CPU slab, a host pool and a batch."""
 
-    def __init__(self, *, freq: int = 1, eager: bool = True, topk: int = 64):
-        self.config = tiny_config(freq=freq, index_topk=topk)
+    def __init__(self, *, freq: int = 1, eager: bool = True, topk: int = 64,
+                 staging_blocks: int = 0):
+        self.config = tiny_config(freq=freq, index_topk=topk,
+                                  staging_blocks=staging_blocks)
         self.layout = self.config.layout
         self.slab = torch.zeros(
-            self.config.num_blocks * self.layout.bytes_per_block, dtype=torch.uint8
+            (self.config.num_blocks + staging_blocks) * self.layout.bytes_per_block,
+            dtype=torch.uint8,
         )
         self.pool = host_pool(self.config)
         self.batch = Batch(len(self.layout.kv_cache_groups))
@@ -378,6 +381,32 @@ def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
     rig.worker.finish_forward()
     stats = rt.stats()
     assert stats["misses"] == 2 and stats["live_hot_regions"] == 1
+
+
+def test_short_prefill_chunks_on_the_decode_kernel_read_staged_host_pages():
+    """K13: a 3-token chunk the backend runs on its decode kernel. Its
+    resident page resolves to the resident row, its host-only page to a
+    staging block past the pool holding the host bytes; invalid positions
+    are -1; no hot state is used."""
+    rig = Rig(staging_blocks=4)
+    rt, layer = rig.rt, rig.layout.sparse_layers[0]
+    rig.place(0, resident=[0, 4], host=[5, 6])
+    fill_pattern(rt.layers[layer].host[5 * B:6 * B], seed=5)
+    fill_slab(rig, seed=6)
+    rig.batch.schedule(computed=[97], scheduled=[3])
+    md = attn_metadata(rig.batch, 1, 3)
+    rig.worker.start_step(rig.meta(), md)
+    rt.plan_extends(1)
+    topk = torch.full((3, 64), -1, dtype=torch.int32)
+    topk[:, :3] = torch.tensor([[3, 80, 120]] * 3, dtype=torch.int32)
+    rows = rt.extend_rows(layer, 3, topk, md.seq_lens)
+    sa, n = rt.geometry.attention_block_stride, rig.config.num_blocks
+    assert rows[0, :3].tolist() == [n * sa + 3, 4 * sa + 80 - B, -1]
+    view = rt.layers[layer].resident
+    assert torch.equal(view[n, 3], rt.layers[layer].host[5 * B + 3])
+    assert int(rows[0, 3]) == -1
+    rig.worker.finish_forward()
+    assert rt.stats()["hot_regions_assigned"] == 0
 
 
 def test_follower_without_its_leaders_plan_is_an_error():

@@ -85,8 +85,8 @@ class RecordingRegistrar:
 def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
                 num_gpu_blocks: int = 256, num_host_blocks: int = 64,
                 device_buffer_size: int | None = None,
-                registration_chunk_bytes: int | None = None
-                ) -> HiSparseKVCacheConfig:
+                registration_chunk_bytes: int | None = None,
+                staging_blocks: int = 0) -> HiSparseKVCacheConfig:
     """A per-worker HiSparse config of a tiny GLM-5-architecture model (real
     MLA/indexer dims, fp8_ds_mla rows) from the real layout builder."""
     hf = {"num_hidden_layers": num_layers, "kv_lora_rank": 512,
@@ -104,7 +104,7 @@ def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
         params = dataclasses.replace(
             params, registration_chunk_bytes=registration_chunk_bytes)
     return build_hisparse_kv_cache_config(
-        layout, num_gpu_blocks, plan_host_pool(layout, params))
+        layout, num_gpu_blocks, plan_host_pool(layout, params), staging_blocks)
 
 
 class Batch:

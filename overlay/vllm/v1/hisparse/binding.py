@@ -157,7 +157,8 @@ def build_layer_views(
     the caller. ``runner_views`` (the runner's own kv_cache of each layer)
     must alias the resident view."""
     layout = config.layout
-    n = config.num_blocks
+    # The views span the staging blocks past the pool too (K13).
+    n = config.num_blocks + config.staging_blocks
     if slab.numel() < n * layout.bytes_per_block:
         raise RuntimeError(
             f"HiSparse: the device slab holds {slab.numel()} B, less than "
@@ -218,6 +219,7 @@ def make_runtime(
         bytes_per_block=layout.bytes_per_block,
         attention_block_stride=layout.attention_block_stride,
         num_gpu_blocks=config.num_blocks,
+        num_staging_blocks=config.staging_blocks,
         num_host_blocks=config.host_num_blocks,
         index_topk=layout.index_topk,
         max_decode_query_len=layout.max_decode_query_len,

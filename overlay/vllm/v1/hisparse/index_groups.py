@@ -78,13 +78,19 @@ def hisparse_forward_mqa(
 
     decoded = None
     if num_decode_tokens > 0:
-        rows, _ = rt.decode_rows(
-            binding.layer_name,
-            num_decode_tokens,
-            topk,
-            attn_metadata.seq_lens,
-            attn_metadata.block_table,
-        )
+        if fp8.decode.decode_query_len > rt.geometry.max_decode_query_len:
+            # Short prefill chunks on the decode kernel (K13).
+            rows = rt.extend_rows(
+                binding.layer_name, num_decode_tokens, topk, attn_metadata.seq_lens
+            )
+        else:
+            rows, _ = rt.decode_rows(
+                binding.layer_name,
+                num_decode_tokens,
+                topk,
+                attn_metadata.seq_lens,
+                attn_metadata.block_table,
+            )
         decoded = _decode(impl, q[:num_decode_tokens], rows, fp8, views.attention)
         if num_prefill_tokens == 0:
             return decoded, None

@@ -35,7 +35,7 @@ loop never see them).
 import copy
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -568,15 +568,22 @@ class HiSparseLayout:
         return block * self.attention_block_stride + offset
 
     def estimate_max_model_len(
-        self, available_memory: int, num_host_blocks: int, max_model_len: int
+        self,
+        available_memory: int,
+        num_host_blocks: int,
+        max_model_len: int,
+        reserved_blocks: Callable[[int], int] | None = None,
     ) -> int:
-        """Largest length <= ``max_model_len`` whose admission cost fits
+        """Largest length <= ``max_model_len`` whose admission cost (plus
+        ``reserved_blocks(length)`` blocks set aside, if given) fits
         ``available_memory`` and whose pages (+2) fit the host pool; 0 if even
-        one token does not fit. Both costs are monotone in the length."""
+        one token does not fit. All costs are monotone in the length."""
 
         def fits(length: int) -> bool:
+            reserved = reserved_blocks(length) if reserved_blocks else 0
             return (
-                self.gpu_bytes_per_request(length) <= available_memory
+                self.gpu_bytes_per_request(length) + reserved * self.bytes_per_block
+                <= available_memory
                 and num_host_blocks >= cdiv(length, self.block_size) + 2
             )
 
@@ -983,10 +990,17 @@ class HiSparseKVCacheConfig(KVCacheConfig):
     host_kv_cache_tensors: list[HiSparseHostTensor] = field(default_factory=list)
     layout: HiSparseLayout
     host_pool: HostPoolPlan
+    staging_blocks: int = 0
+    """Blocks of the slab past ``num_blocks``, never handed out by the pool:
+    the worker stages host-backed context there for attention kernels that
+    read one KV tensor by row id (docs/worker.md K13)."""
 
 
 def build_hisparse_kv_cache_config(
-    layout: HiSparseLayout, num_gpu_blocks: int, host_pool: HostPoolPlan
+    layout: HiSparseLayout,
+    num_gpu_blocks: int,
+    host_pool: HostPoolPlan,
+    staging_blocks: int = 0,
 ) -> HiSparseKVCacheConfig:
     """The per-worker config: device tensors by (offset, page) slot.
 
@@ -1014,7 +1028,7 @@ def build_hisparse_kv_cache_config(
         resident = resident_layer_name(name)
         key = (layout.layer_offsets[resident], layout.page_bytes)
         slots[key].append(name)
-    slab_bytes = num_gpu_blocks * layout.bytes_per_block
+    slab_bytes = (num_gpu_blocks + staging_blocks) * layout.bytes_per_block
     kv_cache_tensors = [
         KVCacheTensor(
             size=slab_bytes,
@@ -1040,6 +1054,7 @@ def build_hisparse_kv_cache_config(
         host_kv_cache_tensors=host_tensors,
         layout=layout,
         host_pool=host_pool,
+        staging_blocks=staging_blocks,
     )
 
 
@@ -1097,10 +1112,15 @@ def get_hisparse_kv_cache_configs(
         available_memory = [override * bytes_per_block] * len(available_memory)
 
     model_config = vllm_config.model_config
+
+    def staging_for(length: int) -> int:
+        # In-slab staging blocks (K13) come off the pool's memory.
+        return staging_blocks(layout, length, vllm_config) if override is None else 0
+
     if model_config.original_max_model_len == -1:
         original = model_config.max_model_len
         fitted = layout.estimate_max_model_len(
-            min(available_memory), host_pool.num_blocks, original
+            min(available_memory), host_pool.num_blocks, original, staging_for
         )
         if fitted <= 0:
             raise ValueError(
@@ -1119,6 +1139,11 @@ def get_hisparse_kv_cache_configs(
                 host_pool.num_blocks,
             )
     max_model_len = model_config.max_model_len
+    staging = staging_blocks(layout, max_model_len, vllm_config)
+    available_memory = [
+        max(avail - staging_for(max_model_len) * bytes_per_block, 0)
+        for avail in available_memory
+    ]
 
     check_host_pool_holds_one_request(
         host_pool.num_blocks,
@@ -1147,7 +1172,7 @@ def get_hisparse_kv_cache_configs(
         layout.num_gpu_blocks(avail, override) for avail in available_memory
     )
     configs: list[KVCacheConfig] = [
-        build_hisparse_kv_cache_config(layout, num_gpu_blocks, host_pool)
+        build_hisparse_kv_cache_config(layout, num_gpu_blocks, host_pool, staging)
         for _ in kv_cache_specs
     ]
     concurrency = layout.steady_state_concurrency(
@@ -1163,6 +1188,15 @@ def get_hisparse_kv_cache_configs(
     )
     log_hisparse_layout(layout, host_pool, num_gpu_blocks, max_model_len)
     return configs
+
+
+def staging_blocks(
+    layout: HiSparseLayout, max_model_len: int, vllm_config: "VllmConfig"
+) -> int:
+    """Slab blocks reserved for in-slab staging: C_stage of spec 2.11,
+    cdiv(max_model_len, B) + cdiv(max_num_batched_tokens, B)."""
+    batched = vllm_config.scheduler_config.max_num_batched_tokens
+    return cdiv(max_model_len, layout.block_size) + cdiv(batched, layout.block_size)
 
 
 def log_hisparse_layout(

@@ -126,6 +126,19 @@ class IndexGroup:
 
 
 @dataclass
+class ExtendPlan:
+    """Rows of a step's decode-path extends (K13)."""
+
+    effective: tuple[torch.Tensor, ...]
+    """Per resident group: int64 [n, width] block of each page, null pages
+    replaced by their staging block."""
+    width: int
+    host_src_rows: torch.Tensor
+    dst_rows: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class Workspace:
     """The resolver outputs shared by every index group (INV-9)."""
 
@@ -167,6 +180,8 @@ class RuntimeGeometry:
     device_buffer_size: int
     max_num_seqs: int
     max_num_tokens: int
+    num_staging_blocks: int = 0
+    """Slab blocks past the pool for in-slab staging (K13)."""
 
     @property
     def host_rows(self) -> int:
@@ -264,6 +279,10 @@ class HiSparseRuntime:
         self.step_active = False
         self.staged: dict[int, StagedRequest] = {}
         """Batch row -> staging plan of this step's host-backed prefills."""
+        self.extend_plan: ExtendPlan | None = None
+        """This step's decode-path extends (K13), if the decode rows of the
+        batch are short prefill chunks rather than single tokens."""
+        self.regions_assigned = 0
         self.prefill_seq_lens = np.zeros(0, dtype=np.int64)
 
     # ---------------------------------------------------------- geometry
@@ -295,6 +314,7 @@ class HiSparseRuntime:
                 raise RuntimeError(f"HiSparse: freed unknown hot regions {missing}")
             self.region_slot[self._index(freed)] = -1
         if allocated.size:
+            self.regions_assigned += int(allocated.size)
             slots = [self.slots.assign(int(b)) for b in allocated]
             slot_index = self._index(np.asarray(slots, dtype=np.int64))
             self.region_slot[self._index(allocated)] = slot_index.to(torch.int32)
@@ -362,6 +382,74 @@ class HiSparseRuntime:
                 row, int(self.prefill_seq_lens[row]), resident, source, b, self.device
             )
 
+    def plan_extends(self, num_decode_reqs: int) -> None:
+        """The decode rows of this batch are short prefill chunks (FlashMLA
+        sparse treats chunks up to its reorder threshold as decodes): plan
+        their rows through an effective block table, null pages staged into
+        the slab's staging blocks (K13). CPU numpy, once per forward."""
+        g, b = self.geometry, self.block_size
+        rows = np.arange(num_decode_reqs)
+        seq = np.asarray(self.tables.seq_lens_cpu()[:num_decode_reqs], dtype=np.int64)
+        pages = -(-seq // b)
+        width = int(pages.max()) if pages.size else 0
+        resident = [self.tables.host(gid)[rows, :width] for gid in self.resident_group_ids]
+        live = np.arange(width)[None, :] < pages[:, None]
+        null = (resident[0] == 0) & live
+        count = int(null.sum())
+        if count > g.num_staging_blocks:
+            raise RuntimeError(
+                f"HiSparse: {count} host-backed pages of short prefill chunks in one "
+                f"step exceed the {g.num_staging_blocks} in-slab staging blocks"
+            )
+        ids = g.num_gpu_blocks + np.arange(count, dtype=np.int64)
+        effective = []
+        for table in resident:
+            eff = np.where(live, table, 0).astype(np.int64)
+            eff[null] = ids
+            effective.append(torch.from_numpy(eff).to(self.device, non_blocking=True))
+        host_blocks = self.tables.host(self.source_group_id)[rows, :width][null]
+        if count and (host_blocks <= 0).any():
+            raise RuntimeError("HiSparse: a host-only page has no host block (INV-6)")
+        offsets = np.arange(b, dtype=np.int64)
+        src = host_blocks.astype(np.int64)[:, None] * b + offsets
+        dst = ids[:, None] * b + offsets
+        self.extend_plan = ExtendPlan(
+            effective=tuple(effective),
+            width=width,
+            host_src_rows=self._index(src).to(torch.int32),
+            dst_rows=self._index(dst).to(torch.int32),
+            mask=torch.ones(src.shape, dtype=torch.int32, device=self.device),
+        )
+
+    def extend_rows(
+        self,
+        layer_name: str,
+        num_decode_tokens: int,
+        topk: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention rows of decode-path extend tokens (K13): resident pages
+        at their resident row, host-only pages staged into the slab. The
+        kernel then reads the same bytes, in the same order, as without
+        HiSparse."""
+        plan = self.extend_plan
+        if plan is None:
+            raise RuntimeError("HiSparse: no extend plan for a multi-token decode")
+        lv = self.layers[layer_name]
+        g, b = self.geometry, self.block_size
+        if plan.host_src_rows.numel():
+            self.ops.gather_plan(
+                lv.host, lv.resident, plan.host_src_rows, plan.dst_rows, plan.mask
+            )
+        nd = num_decode_tokens
+        req = self.row_req[:nd].to(torch.int64).clamp(min=0)
+        pos = topk[:nd].to(torch.int64)
+        page = (pos // b).clamp(0, max(plan.width - 1, 0))
+        block = plan.effective[lv.pair][req.unsqueeze(1), page]
+        ok = (pos >= 0) & (pos < seq_lens.to(torch.int64)[req].unsqueeze(1)) & (block > 0)
+        rows = block * g.attention_block_stride + pos % b
+        return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
+
     def end_forward(self) -> None:
         """Back to padding, so that a dummy or captured run touches no state."""
         self.row_req.fill_(-1)
@@ -369,6 +457,7 @@ class HiSparseRuntime:
         self.step_active = False
         self.workspace.owner = None
         self.staged = {}
+        self.extend_plan = None
 
     # ------------------------------------------------------ decode path
 
@@ -480,6 +569,7 @@ class HiSparseRuntime:
             "tripped_misses": tripped,
             "rejected_rows": rejected,
             "live_hot_regions": self.slots.num_live,
+            "hot_regions_assigned": self.regions_assigned,
         }
 
 

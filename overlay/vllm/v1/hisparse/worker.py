@@ -364,6 +364,8 @@ class HiSparseWorker:
         rt.prepare_forward(attn_metadata.req_id_per_token)
         if attn_metadata.num_prefills:
             rt.plan_staging(int(attn_metadata.num_decodes))
+        if decode_query_len(attn_metadata) > rt.geometry.max_decode_query_len:
+            rt.plan_extends(int(attn_metadata.num_decodes))
         first = 0 if self.eager_host_mirror else int(attn_metadata.num_decode_tokens)
         self.mirror.build(first, rt.num_tokens)
 
@@ -605,6 +607,15 @@ class HiSparseWorker:
             _ACTIVE.remove(self)
         if self.host_pool is not None:
             self.host_pool.shutdown()
+
+
+def decode_query_len(attn_metadata: Any) -> int:
+    """Query length of the batch's decode rows (FlashMLA sparse's separate
+    path; 0 without decodes). More than max_decode_query_len: the decodes are
+    short prefill chunks the backend routes through its decode kernel."""
+    fp8 = getattr(attn_metadata, "fp8_extra_metadata", None)
+    decode = getattr(fp8, "decode", None)
+    return int(decode.decode_query_len) if decode is not None else 0
 
 
 _ACTIVE: list[HiSparseWorker] = []

@@ -356,7 +356,8 @@ def render(d: dict) -> str:
          f"(upstream commit {d['target_commit']}).", "",
          "## Headline", "",
          f"- patches: {count('unchanged')} unchanged, {count('needed work')} needed work, "
-         f"{count('conflict')} conflict, {count('unmatched')} unmatched",
+         f"{count('conflict')} conflict, {count('unmatched')} unmatched; range-diff entries without a "
+         f"partner: {len(d['unmatched'])} (listed below)",
          f"- seams: {sum(1 for s in d['seams'] if s['status'] in ('same', 'context same'))} of "
          f"{len([s for s in d['seams'] if s['status'] != 'new file'])} hunk anchors unchanged"
          + (f"; changed: {', '.join(sorted({s['anchor'] + ' (' + s['file'] + ')' for s in changed_seams}))}" if changed_seams else ""),

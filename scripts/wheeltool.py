@@ -268,9 +268,9 @@ def check(wheel: Path, pinned: Path, version: str, overlay: Path,
         prec = read_record(pz)
         binaries = [n for n in pz.namelist() if n.endswith(".so") or n == "vllm/vllm-rs"]
         for n in binaries:
-            if n not in record:
+            if n not in names:
                 problems.append(f"precompiled {n} of the pinned wheel is missing")
-            elif record[n][0] != prec[n][0]:
+            elif record_hash(zf.read(n)) != prec[n][0]:
                 problems.append(f"precompiled {n} differs from the pinned wheel's")
         facts["precompiled_members"] = len(binaries)
         # Our Python: every overlay file under vllm/ is shipped unchanged.

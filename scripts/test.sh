@@ -24,6 +24,9 @@ done
 wants() { [[ " ${only[*]} " == *" $1 "* ]]; }
 py=$venv/bin/python
 [[ -x "$py" ]] || hs_die "no venv at $venv: run scripts/build.sh first"
+# The tooling tier drives git and stgit: the same check build.sh made (it
+# links what it installed into .cache/tools/bin, first on PATH via lib.sh).
+"$HS_ROOT/scripts/prereqs.sh" --check >/dev/null
 
 # The installed build must be the series and overlay in this checkout.
 build_json=$venv/hisparse-build.json

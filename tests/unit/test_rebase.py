@@ -95,7 +95,7 @@ def synthetic(tmp_path_factory) -> Path:
     (tree / "vllm/v1/hisparse").mkdir()
     (tree / "vllm/v1/hisparse/__init__.py").write_text("")
     (tree / "vllm/v1/hisparse/layout.py").write_text("class HiSparseLayout:\n    pass\n")
-    (tree / "vllm/v1/hisparse/runtime.py").write_text("")
+    (tree / "vllm/v1/hisparse/upstream_only_module.py").write_text("")
     factory = tree / "vllm/distributed/kv_transfer/kv_connector/factory.py"
     text = factory.read_text()
     at = text.index("KVConnectorFactory.register_connector(")  # the first one, far from ours at the end
@@ -139,7 +139,7 @@ def test_synthetic_release_report(synthetic: Path, tmp_path: Path):
     c = d["collisions"]
     assert c["files"] == ["vllm/v1/hisparse/__init__.py", "vllm/v1/hisparse/layout.py"]
     pkg = {p["package"]: p for p in c["packages"]}["vllm/v1/hisparse"]
-    assert pkg["upstream_only"] == ["vllm/v1/hisparse/runtime.py"]
+    assert pkg["upstream_only"] == ["vllm/v1/hisparse/upstream_only_module.py"]
     assert {x["file"]: x["both"] for x in c["classes"]}["vllm/v1/hisparse/layout.py"] == ["HiSparseLayout"]
     conn = {x["name"]: x["upstream"] for x in c["connectors"]}
     assert conn["HiSparseConnector"] and conn["HiSparseOffloadingConnector"] == []

@@ -702,13 +702,12 @@ class HiSparseCoordinator:
     # --------------------------------------------------------- metadata
 
     def build_step_metadata(
-        self, scheduler_output: "SchedulerOutput", num_lookahead_tokens: int = 0
+        self, scheduler_output: "SchedulerOutput"
     ) -> HiSparseStepMetadata:
         """Drain this step's outputs (spec 4.1 step 3) into flat arrays.
 
-        ``num_lookahead_tokens`` is accepted for the connector's call and
-        unused: the workers mirror exactly the rows each forward wrote, so
-        the scheduler sends no envelopes (docs/residency.md R16)."""
+        No row-mirror envelopes: the workers mirror exactly the rows each
+        forward wrote (docs/residency.md R16, docs/worker.md K2)."""
         self.step += 1
         g = len(self.residents)
         meta = HiSparseStepMetadata(step=self.step)

@@ -326,12 +326,6 @@ class HiSparseRuntime:
             group.dgi[slots] = -1
             group.lru[slots] = self._lru_init
 
-    def reset_all_slots(self) -> None:
-        """Every slot, the resident-only one included."""
-        self.reset_slots(
-            torch.arange(self.geometry.max_num_seqs + 1, device=self.device)
-        )
-
     def _index(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(
             self.device, non_blocking=True

@@ -64,8 +64,6 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: "KVCacheConfig",
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        spec = vllm_config.speculative_config
-        self._num_lookahead_tokens = spec.num_speculative_tokens if spec else 0
         self._hisparse: HiSparseCoordinator | None = None
         self._worker: HiSparseWorker | None = None
 
@@ -103,9 +101,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(
         self, scheduler_output: "SchedulerOutput"
     ) -> KVConnectorMetadata:
-        return self.hisparse.build_step_metadata(
-            scheduler_output, self._num_lookahead_tokens
-        )
+        return self.hisparse.build_step_metadata(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         ack = connector_output.kv_connector_worker_meta

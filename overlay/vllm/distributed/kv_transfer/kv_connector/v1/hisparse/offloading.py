@@ -321,7 +321,7 @@ class HiSparseOffloadingConnector(OffloadingConnector):
             [np.asarray(job.dst_spec.block_ids) for job in meta.load_jobs.values()]
         )
         if np.intersect1d(destinations, reused).size:
-            torch.cuda.current_stream().synchronize()
+            _synchronize_compute()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Only the offloadable layers: the runner's dict may also hold the
@@ -329,6 +329,11 @@ class HiSparseOffloadingConnector(OffloadingConnector):
         super().register_kv_caches(
             {n: t for n, t in kv_caches.items() if n in self._offloadable_layers}
         )
+
+
+def _synchronize_compute() -> None:
+    """Wait for every step enqueued on the compute stream (F16)."""
+    torch.cuda.current_stream().synchronize()
 
 
 __all__ = [

@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Binding (C9, spec 2.9): per-layer views at their own offsets (INV-10),
+resident/hot/runner views aliasing exactly (INV-13, F9), the attention view
+addressing hma(r) (3.2), and the runner hooks (residency updates W0, slot
+retargeting)."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from worker_harness import B, W, host_pool, tiny_config
+
+from vllm.v1.hisparse.binding import (
+    apply_residency_updates,
+    build_layer_views,
+    resident_view,
+    retarget_slot_mappings,
+)
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata
+from vllm.v1.hisparse.specs import resident_layer_name
+
+
+@pytest.mark.parametrize("freq", [1, 2])
+def test_each_layer_writes_only_its_own_bytes(freq):
+    """INV-10 / F9 (U-4): a distinct pattern written through every sparse
+    layer's view of one block reads back intact through each view: no two
+    layers of a resident group overlap, and none starts at the group base
+    unless it is the group's first layer."""
+    config = tiny_config(freq=freq, num_gpu_blocks=8)
+    layout = config.layout
+    slab = torch.zeros(config.num_blocks * layout.bytes_per_block, dtype=torch.uint8)
+    views = build_layer_views(config, slab, host_pool(config))
+    # A block is leased to one resident/hot pair at a time (INV-4): write
+    # every layer of the pair that leases block 5, then read each back.
+    for pair in range(layout.num_pairs):
+        members = [(n, v) for n, v in views.items() if v["pair"] == pair]
+        for i, (_, v) in enumerate(members):
+            v["resident"][5].fill_(i + 1)
+        for i, (name, v) in enumerate(members):
+            assert torch.all(v["resident"][5] == i + 1), name
+    pairs = {}
+    for name, v in views.items():
+        pairs.setdefault(v["pair"], []).append(v["offset"])
+    for offsets in pairs.values():
+        assert offsets == [k * layout.page_bytes for k in range(len(offsets))]
+
+
+@pytest.mark.parametrize("freq", [1, 2])
+def test_attention_row_is_the_physical_row(freq):
+    """Spec 3.2 flat mode: row hma(r) = (r div B) * Sa + r mod B of the
+    attention view is physical row r of the layer's resident view."""
+    config = tiny_config(freq=freq, num_gpu_blocks=8)
+    layout = config.layout
+    slab = torch.zeros(config.num_blocks * layout.bytes_per_block, dtype=torch.uint8)
+    views = build_layer_views(config, slab, host_pool(config))
+    sa = layout.attention_block_stride
+    for v in views.values():
+        flat = v["attention"].reshape(-1, W)
+        for r in (0, 63, 64, 3 * B + 17, config.num_blocks * B - 1):
+            v["resident"][r // B, r % B].fill_(r % 251 + 1)
+            assert torch.equal(flat[(r // B) * sa + r % B], v["resident"][r // B, r % B])
+
+
+def test_misplaced_hot_twin_is_refused():
+    """INV-13: resident and hot twins must share one offset (a layout whose
+    hot tensor sits elsewhere would make hot rows overwrite other layers)."""
+    config = tiny_config(freq=2, num_gpu_blocks=8)
+    tensors = []
+    for t in config.kv_cache_tensors:
+        if any(n.endswith(".hisparse_hot") for n in t.shared_by) and t.offset == 0:
+            hot = [n for n in t.shared_by if n.endswith(".hisparse_hot")]
+            rest = [n for n in t.shared_by if n not in hot]
+            tensors += [dataclasses.replace(t, shared_by=rest),
+                        dataclasses.replace(t, shared_by=hot, offset=t.offset + 16)]
+        else:
+            tensors.append(t)
+    broken = dataclasses.replace(config, kv_cache_tensors=tensors)
+    slab = torch.zeros(config.num_blocks * config.layout.bytes_per_block,
+                       dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="INV-10"):
+        build_layer_views(broken, slab, host_pool(config))
+
+
+def test_runner_view_must_alias_the_resident_view():
+    config = tiny_config(num_gpu_blocks=8)
+    layout = config.layout
+    slab = torch.zeros((config.num_blocks + 1) * layout.bytes_per_block,
+                       dtype=torch.uint8)
+    name = layout.sparse_layers[0]
+    shifted = resident_view(slab, layout, config.num_blocks, W)  # one row off
+    with pytest.raises(RuntimeError, match="INV-13"):
+        build_layer_views(config, slab, host_pool(config), {name: shifted})
+    good = resident_view(slab, layout, config.num_blocks, 0)
+    build_layer_views(config, slab, host_pool(config), {name: good})
+
+
+class _Table:
+    def __init__(self, rows: int, width: int):
+        self.block_table = SimpleNamespace(np=np.zeros((rows, width), dtype=np.int32))
+
+
+def test_residency_updates_rewrite_request_state_and_batch_rows():
+    """W0 (spec 4.1, 4.6 step 4): an update replaces the resident entries
+    from its start page in every resident group, in the request's cached
+    block ids and in its persistent-batch row; other rows are untouched."""
+    res_ids = [2, 3]
+    runtime = SimpleNamespace(resident_group_ids=res_ids, layers={})
+    tables = {g: _Table(4, 8) for g in range(6)}
+    for g in res_ids:
+        tables[g].block_table.np[1, :4] = [10 + g, 20 + g, 30 + g, 40 + g]
+        tables[g].block_table.np[0, :2] = [99, 98]
+    state = SimpleNamespace(block_ids=[[], [], [12, 22, 32, 42], [13, 23, 33, 43]])
+    runner = SimpleNamespace(
+        hisparse_runtime=runtime,
+        requests={"r": state},
+        input_batch=SimpleNamespace(block_table=tables, req_id_to_index={"r": 1}),
+    )
+    meta = HiSparseStepMetadata(
+        update_req_ids=["r"],
+        update_start_pages=np.array([1], dtype=np.int32),
+        update_indptr=np.array([0, 3], dtype=np.int64),
+        update_block_ids=np.array([[0, 0], [31, 41], [0, 0]], dtype=np.int32),
+    )
+    apply_residency_updates(runner, SimpleNamespace(kv_connector_metadata=meta))
+    assert state.block_ids[2] == [12, 0, 31, 0]
+    assert state.block_ids[3] == [13, 0, 41, 0]
+    assert tables[2].block_table.np[1, :4].tolist() == [12, 0, 31, 0]
+    assert tables[3].block_table.np[1, :4].tolist() == [13, 0, 41, 0]
+    assert tables[2].block_table.np[0, :2].tolist() == [99, 98]
+
+
+def test_a_residency_update_out_of_step_with_the_table_is_an_error():
+    runtime = SimpleNamespace(resident_group_ids=[2], layers={})
+    state = SimpleNamespace(block_ids=[[], [], [1, 2]])
+    runner = SimpleNamespace(hisparse_runtime=runtime, requests={"r": state},
+                             input_batch=SimpleNamespace(block_table={},
+                                                         req_id_to_index={}))
+    meta = HiSparseStepMetadata(
+        update_req_ids=["r"], update_start_pages=np.array([1], dtype=np.int32),
+        update_indptr=np.array([0, 2], dtype=np.int64),
+        update_block_ids=np.array([[0], [5]], dtype=np.int32))
+    with pytest.raises(RuntimeError, match="covers pages"):
+        apply_residency_updates(runner, SimpleNamespace(kv_connector_metadata=meta))
+
+
+def test_sparse_layers_write_with_their_resident_slot_mapping():
+    """The KV write of a sparse-MLA layer uses its resident group's slot
+    mapping (its own group's maps tokens to host rows)."""
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    runner = SimpleNamespace(hisparse_runtime=SimpleNamespace(layers=dict.fromkeys(names)))
+    source, res0, res1 = torch.zeros(1), torch.ones(1), torch.ones(1) * 2
+    mappings = {names[0]: source, names[1]: source,
+                resident_layer_name(names[0]): res0, resident_layer_name(names[1]): res1}
+    retarget_slot_mappings(runner, mappings)
+    assert mappings[names[0]] is res0 and mappings[names[1]] is res1
+    retarget_slot_mappings(SimpleNamespace(hisparse_runtime=None), mappings)

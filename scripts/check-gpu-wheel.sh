@@ -18,13 +18,19 @@
 #   --results DIR  write the pytest log, junit XML and a summary here
 #   --no-gpu-tests stop after install + import + locating the kernel library
 #                  (what a CPU machine can check; the GPU stage needs CUDA)
+#   --upstream-binaries DIR  (with --carried) a vllm/ folder holding the
+#                  compiled upstream members the slim wheel leaves out (on
+#                  the GPU host: the bundle's /root/stage/base/vllm-bin/vllm);
+#                  they are copied into the target after the install, so that
+#                  `import vllm` finds _C_stable_libtorch. The wheel's own
+#                  members, _hisparse_C included, are never replaced.
 # The ops must come from the installed wheel's vllm/_hisparse_C*.so:
 # HISPARSE_OPS_LIBRARY is unset, and an importable hisparse_ops package
 # (which the loader would prefer) is an error. A run where any GPU test
 # skipped fails: the tests skip without the ops, which must not pass.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-py=python3 wheel="" carried="" pack="" results="" gpu_tests=1
+py=python3 wheel="" carried="" pack="" results="" gpu_tests=1 upstream=""
 while [[ $# -gt 0 ]]; do
   case $1 in
     --carried) carried=${2:?--carried needs a directory}; shift ;;
@@ -32,7 +38,8 @@ while [[ $# -gt 0 ]]; do
     --python) py=${2:?--python needs an interpreter}; shift ;;
     --results) results=${2:?--results needs a directory}; shift ;;
     --no-gpu-tests) gpu_tests=0 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --upstream-binaries) upstream=${2:?--upstream-binaries needs a directory}; shift ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     -*) echo "[check-gpu-wheel] error: unknown argument: $1" >&2; exit 2 ;;
     *) wheel=$1 ;;
   esac
@@ -65,6 +72,16 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 target=$scratch/site
 run "$py" -m pip install -q --no-deps --no-index --no-compile --disable-pip-version-check --target "$target" "$wheel"
+if [[ -n "$upstream" ]]; then
+  [[ -n "$carried" ]] || die "--upstream-binaries completes a --carried (slim) wheel only"
+  [[ -d "$upstream" ]] || die "--upstream-binaries $upstream is not a directory"
+  added=0
+  for so in "$upstream"/*.so; do
+    name=$(basename "$so")
+    if [[ ! -e "$target/vllm/$name" ]]; then cp "$so" "$target/vllm/$name"; added=$((added + 1)); fi
+  done
+  log "added $added upstream binaries from $upstream (not the wheel's; the wheel's own members kept)"
+fi
 
 unset HISPARSE_OPS_LIBRARY
 export PYTHONPATH=$target PYTHONNOUSERSITE=1

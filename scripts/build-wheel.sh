@@ -84,8 +84,8 @@ hs_run "$py" "$HS_ROOT/scripts/wheeltool.py" check --wheel "$wheel" --pinned "$p
   --overlay "$HS_OVERLAY" ${cuobjdump:+--cuobjdump "$cuobjdump"} --json "$out/check.json"
 (cd "$out" && sha256sum "$(basename "$wheel")" > "$(basename "$wheel").sha256")
 
-series_sha=$(cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
-overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16)
+series_sha=$(hs_series_sha)
+overlay_sha=$(hs_overlay_sha)
 commit=$(git -C "$HS_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)
 "$HS_PY" - "$out/build-info.json" "$wdir/kernels/_hisparse_C.abi3.json" <<EOF
 import json, sys

@@ -80,8 +80,8 @@ else
   built=$(ls "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl)
 fi
 
-series_sha=$(cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
-overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16)
+series_sha=$(hs_series_sha)
+overlay_sha=$(hs_overlay_sha)
 if [[ $install == 1 ]]; then
   pip_ install -q --no-deps --force-reinstall "$built"
   "$HS_PY" - "$venv/hisparse-build.json" <<EOF

@@ -173,8 +173,8 @@ mkdir -p "$out"
 rm -f "$out"/base-*.tar.xz "$out"/patch-*.tar.xz "$out/bundle.json"
 for f in "$base_dir"/base-*.tar.xz; do ln -f "$f" "$out/" 2>/dev/null || cp "$f" "$out/"; done
 mv "$work/patch-parts"/patch-*.tar.xz "$out/"
-series_sha=$(cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
-overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16)
+series_sha=$(hs_series_sha)
+overlay_sha=$(hs_overlay_sha)
 commit=$(git -C "$HS_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)
 dirty=$( [[ -n "$(git -C "$HS_ROOT" status --porcelain -- overlay patches scripts 2>/dev/null)" ]] && echo true || echo false)
 "$HS_PY" - "$out" "$base_dir/base.json" "$work/patch-parts/pack.json" "$prebuilt_json" <<EOF

@@ -94,36 +94,44 @@ def die(msg: str) -> None:
 # Configuration files (scripts/gpu-bundle/)
 # ---------------------------------------------------------------------------
 
+def config_lines(path: Path, trailing_comments: bool = True) -> list[str]:
+    """The stripped, non-blank lines of a config file, '#' lines left out;
+    with ``trailing_comments`` also everything after a '#'."""
+    out = []
+    for ln in path.read_text().splitlines():
+        ln = ln.split("#", 1)[0] if trailing_comments else ln
+        ln = ln.strip()
+        if ln and not ln.startswith("#"):
+            out.append(ln)
+    return out
+
+
 def read_names(path: Path) -> set[str]:
     """image-packages.txt: one distribution name a line, '#' comments."""
-    out = set()
-    for ln in path.read_text().splitlines():
-        ln = ln.split("#", 1)[0].strip()
-        if ln:
-            out.add(cn(ln))
+    return {cn(ln) for ln in config_lines(path)}
+
+
+def read_reasons(path: Path) -> list[tuple[str, str]]:
+    """`KEY  reason...` lines; the reason is mandatory (and may itself hold
+    a '#')."""
+    out = []
+    for ln in config_lines(path, trailing_comments=False):
+        key, _, reason = ln.partition(" ")
+        if not reason.strip():
+            die(f"{path}: '{key}' has no reason")
+        out.append((key, reason.strip()))
     return out
 
 
 def read_excluded(path: Path) -> dict[str, str]:
-    """excluded.txt: `name  reason...`; the reason is mandatory."""
-    out = {}
-    for ln in path.read_text().splitlines():
-        if not ln.strip() or ln.lstrip().startswith("#"):
-            continue
-        name, _, reason = ln.strip().partition(" ")
-        if not reason.strip():
-            die(f"{path}: '{name}' has no reason")
-        out[cn(name)] = reason.strip()
-    return out
+    """excluded.txt: `name  reason...`."""
+    return {cn(name): reason for name, reason in read_reasons(path)}
 
 
 def read_deps(path: Path) -> dict[str, str]:
     """deps.txt: `name==version  # via ...`."""
     out = {}
-    for ln in path.read_text().splitlines():
-        ln = ln.split("#", 1)[0].strip()
-        if not ln:
-            continue
+    for ln in config_lines(path):
         name, sep, ver = ln.partition("==")
         if not sep:
             die(f"{path}: '{ln}' is not name==version")
@@ -354,15 +362,8 @@ STAND_INS = {
 
 
 def read_trim(path: Path) -> list[tuple[str, str]]:
-    out = []
-    for ln in path.read_text().splitlines():
-        if not ln.strip() or ln.lstrip().startswith("#"):
-            continue
-        glob, _, reason = ln.strip().partition(" ")
-        if not reason.strip():
-            die(f"{path}: '{glob}' has no reason")
-        out.append((glob, reason.strip()))
-    return out
+    """trim.txt: `GLOB  reason...`."""
+    return read_reasons(path)
 
 
 def cmd_site(a: argparse.Namespace) -> None:
@@ -454,10 +455,8 @@ def is_precompiled(name: str) -> bool:
 def read_member_rules(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
     """precompiled.txt: `exclude GLOB reason` and `prune GLOB` lines."""
     excl, prune = [], []
-    for ln in path.read_text().splitlines():
-        if not ln.strip() or ln.lstrip().startswith("#"):
-            continue
-        kind, _, rest = ln.strip().partition(" ")
+    for ln in config_lines(path, trailing_comments=False):
+        kind, _, rest = ln.partition(" ")
         glob, _, reason = rest.strip().partition(" ")
         if kind == "exclude":
             if not reason.strip():
@@ -659,7 +658,8 @@ def cmd_base_fingerprint(a: argparse.Namespace) -> None:
             getattr(mod, name), dict) else sorted(map(str, getattr(mod, name)))
             if isinstance(getattr(mod, name), (set, list)) else getattr(mod, name)).encode())
     h.update(repr([r.pattern for r in PRECOMPILED_REGEX]).encode())
-    for fn in (read_names, read_excluded, read_deps, find_wheel, wheel_name_version,
+    for fn in (config_lines, read_reasons, read_names, read_excluded, read_deps,
+               find_wheel, wheel_name_version,
                read_trim, cmd_site, is_precompiled, read_member_rules,
                cmd_precompiled, _junk, _members, _units, _tar_records,
                _compress_unit, cmd_pack):

@@ -126,18 +126,9 @@ def cmd_link(a: argparse.Namespace) -> None:
             die(f"stub link failed: {res.stderr}")
         link_dirs.append(str(stub_dir))
 
-    # 3. link like build.py, without the rpath to this machine's torch
+    # 3. build.py's link, without the rpath to this machine's torch
     lib = a.build / build.LIBRARY_NAME
-    cmd = [str(nvcc), "-shared", "-cudart", "shared", "-o", str(lib)]
-    for g in build.DEFAULT_GENCODE:
-        cmd += ["-gencode", g]
-    cmd += [str(o) for o in objs]
-    for d in link_dirs:
-        cmd += ["-L", d]
-    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
-    res = run(cmd)
-    if res.returncode != 0:
-        die(f"link failed:\n{res.stdout}{res.stderr}")
+    build.link(nvcc, objs, link_dirs, list(build.DEFAULT_GENCODE), lib, rpath=False)
 
     # 4. what the library needs at load time
     dyn = run(["readelf", "-d", str(lib)]).stdout

@@ -139,7 +139,8 @@ if ! cp -al "$stage/base/vllm-bin/vllm/." "$stage/patch/site/vllm/" 2>>"$log"; t
 fi
 site=$stage/patch/site
 
-# 2. The bundle must be what this working tree holds.
+# 2. The bundle must be what this working tree holds (lib.sh's
+#    hs_series_sha / hs_overlay_sha, inlined: this script runs without lib.sh).
 if [[ -d "$root/patches" && -d "$root/overlay" ]]; then
   series_sha=$(cat "$root/patches/series" "$root/patches"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
   overlay_sha=$("$py" "$root/scripts/patchtool.py" manifest --root "$root" | sha256sum | cut -c1-16)

@@ -31,8 +31,8 @@ py=$venv/bin/python
 # The installed build must be the series and overlay in this checkout.
 build_json=$venv/hisparse-build.json
 [[ -f "$build_json" ]] || hs_die "$venv has no HiSparse build: run scripts/build.sh first"
-series_sha=$(cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
-overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16)
+series_sha=$(hs_series_sha)
+overlay_sha=$(hs_overlay_sha)
 grep -q "\"series_sha\": \"$series_sha\"" "$build_json" && grep -q "\"overlay_sha\": \"$overlay_sha\"" "$build_json" \
   || hs_die "the installed build is stale (patches/ or overlay/ changed since): re-run scripts/build.sh"
 tree=$("$HS_PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tree"])' "$build_json")

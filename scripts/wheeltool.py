@@ -143,18 +143,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     flags = b.compile_flags(includes, abi, gencode, False, [])
     obj_dir = args.out.parent / "obj"
     objs = b.compile_all(nvcc, flags, b.sources(), obj_dir, args.jobs)
-    cmd = [str(nvcc), "-shared", "-cudart", "shared", "-o", str(args.out)]
-    for g in gencode:
-        cmd += ["-gencode", g]
-    cmd += [str(o) for o in objs]
-    cmd += [f"-L{d}" for d in lib_dirs]
-    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
-    print("+ " + " ".join(cmd), flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    sys.stdout.write(res.stdout)
-    sys.stderr.write(res.stderr)
-    if res.returncode != 0:
-        die("link failed")
+    b.link(nvcc, objs, lib_dirs, gencode, args.out, rpath=False)
     info = {"torch": torch_version, "torch_cuda": torch.version.cuda,
             "nvcc": b.nvcc_version(nvcc), "gencode": gencode,
             "torch_target_version": b.TORCH_TARGET_VERSION,

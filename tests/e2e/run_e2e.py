@@ -192,12 +192,13 @@ def worker_counters(worker) -> dict:
     runtime = worker.model_runner.hisparse_runtime
     if runtime is None:
         return {}
-    from vllm.v1.hisparse.worker import _ACTIVE
+    from vllm.v1.hisparse.worker import current_worker
 
     out = runtime.stats()
-    if _ACTIVE:
-        out["audit_rows_checked"] = _ACTIVE[-1].audit_rows_checked
-        out["audit_mismatches"] = _ACTIVE[-1].audit_mismatches
+    data_plane = current_worker()
+    if data_plane is not None:
+        out["audit_rows_checked"] = data_plane.audit_rows_checked
+        out["audit_mismatches"] = data_plane.audit_mismatches
     return out
 
 

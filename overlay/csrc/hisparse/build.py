@@ -161,13 +161,18 @@ def compile_all(nvcc: Path, flags: list[str], srcs: list[Path],
 
 
 def link(nvcc: Path, objs: list[Path], lib_dirs: list[str], gencode: list[str],
-         out_lib: Path) -> None:
+         out_lib: Path, rpath: bool = True) -> None:
+    """Link the extension against torch's libraries. ``rpath``: record
+    lib_dirs in the library (a local build); a wheel or a bundle links
+    without, torch being loaded before any extension."""
     cmd = [str(nvcc), "-shared", "-cudart", "shared", "-o", str(out_lib)]
     for g in gencode:
         cmd += ["-gencode", g]
     cmd += [str(o) for o in objs]
     for d in lib_dirs:
-        cmd += ["-L", d, "-Xlinker", f"-rpath={d}"]
+        cmd += ["-L", d]
+        if rpath:
+            cmd += ["-Xlinker", f"-rpath={d}"]
     cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
     res = run(cmd)
     sys.stdout.write(res.stdout)

@@ -2,8 +2,6 @@
 """Fault tests (target R2): after draining, GPU and host pool accounting are
 back to their initial state and nothing incomplete was published."""
 
-import random
-
 import pytest
 
 from tests.hisparse.scheduler.harness import (
@@ -11,27 +9,13 @@ from tests.hisparse.scheduler.harness import (
     abort,
     drain,
     make_request,
-    run_step,
 )
+from tests.hisparse.scheduler.helpers import hs, prompt, step
 from tests.hisparse.scheduler.invariants import (
     check_drained,
     check_invariants,
     check_published,
 )
-
-
-def prompt(n, seed=0):
-    rng = random.Random(seed)
-    return [rng.randint(1, 900) for _ in range(n)]
-
-
-def hs(s):
-    return s.kv_cache_manager.coordinator.hisparse
-
-
-def step(s, w):
-    run_step(s, w)
-    check_invariants(s)
 
 
 def finish(s, w):

@@ -12,34 +12,15 @@ out, and that hot regions are announced and released exactly once.
 import random
 
 import numpy as np
+from vllm.v1.hisparse.coordinator import _CLEAN
 
 from tests.hisparse.scheduler.harness import (
     drain,
     make_request,
     model_output,
-    run_step,
 )
+from tests.hisparse.scheduler.helpers import coord, hs, prompt, step
 from tests.hisparse.scheduler.invariants import check_drained, check_invariants
-from vllm.v1.hisparse.coordinator import _CLEAN
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(1, 900) for _ in range(n)]
-
-
-def coord(s):
-    return s.kv_cache_manager.coordinator
-
-
-def hs(s):
-    return coord(s).hisparse
-
-
-def step(s, w):
-    so = run_step(s, w)
-    check_invariants(s)
-    return so
 
 
 def decoded_updates(meta) -> dict:

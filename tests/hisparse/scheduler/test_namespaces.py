@@ -2,24 +2,13 @@
 """Two block-id namespaces never mix (spec 2.4, integration 8.3 item 2), and
 the watermark / admission-window transitions (spec 4.5, S-8)."""
 
-import random
-
 import pytest
-
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockStored
 
 from tests.hisparse.scheduler.harness import drain, make_request, run_step
+from tests.hisparse.scheduler.helpers import coord, prompt
 from tests.hisparse.scheduler.invariants import check_drained, check_invariants
-
-
-def prompt(n, seed=0):
-    rng = random.Random(seed)
-    return [rng.randint(1, 900) for _ in range(n)]
-
-
-def coord(s):
-    return s.kv_cache_manager.coordinator
 
 
 def test_host_events_are_tagged_cpu_and_gpu_events_gpu(build):

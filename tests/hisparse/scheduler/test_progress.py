@@ -6,43 +6,14 @@ never deadlock), on vLLM's real scheduler with the simulated worker."""
 import random
 
 import pytest
-
-from tests.hisparse.scheduler.harness import drain, make_request, run_step
-from tests.hisparse.scheduler.invariants import (
-    check_drained,
-    check_invariants,
-    check_published,
-)
 from vllm.v1.hisparse.metadata import HiSparseWorkerAck
 
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(1, 900) for _ in range(n)]
-
-
-def coord(s):
-    return s.kv_cache_manager.coordinator
-
-
-def hs(s):
-    return coord(s).hisparse
-
-
-def step(s, w):
-    so = run_step(s, w)
-    check_invariants(s)
-    return so
-
-
-def published_pages(s, request) -> int:
-    pool = coord(s).host_pool
-    n = 0
-    for h in request.block_hashes:
-        if pool.get_cached_block(h, [coord(s).source_group_id]) is None:
-            break
-        n += 1
-    return n
+from tests.hisparse.scheduler.harness import drain, make_request
+from tests.hisparse.scheduler.helpers import coord, hs, prompt, published_pages, step
+from tests.hisparse.scheduler.invariants import (
+    check_drained,
+    check_published,
+)
 
 
 def test_f17_a_completion_submitted_before_the_planned_forward_is_ignored(build):

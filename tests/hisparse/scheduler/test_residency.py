@@ -5,9 +5,8 @@ checks that every KV row attention reads holds what the model wrote, and
 ``check_invariants`` recomputes all pool accounting from first principles.
 """
 
-import random
-
 import pytest
+from vllm.v1.core.kv_cache_utils import get_block_hash
 
 from tests.hisparse.scheduler.harness import (
     B,
@@ -15,40 +14,9 @@ from tests.hisparse.scheduler.harness import (
     abort,
     drain,
     make_request,
-    run_step,
 )
+from tests.hisparse.scheduler.helpers import coord, hs, prompt, published_pages, step
 from tests.hisparse.scheduler.invariants import check_drained, check_invariants
-from vllm.v1.core.kv_cache_utils import get_block_hash
-
-
-def hs(s):
-    return s.kv_cache_manager.coordinator.hisparse
-
-
-def coord(s):
-    return s.kv_cache_manager.coordinator
-
-
-def step(s, w):
-    so = run_step(s, w)
-    check_invariants(s)
-    return so
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(1, 900) for _ in range(n)]
-
-
-def published_pages(s, request) -> int:
-    """Leading pages of ``request`` whose hash is in the host prefix cache."""
-    pool = coord(s).host_pool
-    n = 0
-    for h in request.block_hashes:
-        if pool.get_cached_block(h, [coord(s).source_group_id]) is None:
-            break
-        n += 1
-    return n
 
 
 def test_s1_only_sealed_pages_are_planned_within_budget(build):

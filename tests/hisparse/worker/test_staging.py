@@ -2,12 +2,10 @@
 """Prefill staging (C11, spec 2.11; docs/worker.md K3, K4) on CPU."""
 
 import numpy as np
+import pytest
 import torch
-from worker_harness import B, ReferenceOps, fill_pattern
-
 from vllm.v1.hisparse.staging import StagingCache, host_backed_rows, plan_staged_request
-
-W = 656
+from worker_harness import B, ReferenceOps, W, fill_pattern
 
 
 def test_host_backed_rows_are_found_without_a_loop_over_requests():
@@ -52,9 +50,5 @@ def test_a_host_only_page_without_a_host_block_is_an_error():
     """INV-6: every computed page has a host block."""
     resident = np.zeros((1, 4), dtype=np.int32)
     source = np.zeros((1, 4), dtype=np.int32)
-    try:
+    with pytest.raises(RuntimeError, match="INV-6"):
         plan_staged_request(0, B, [resident], source, B, torch.device("cpu"))
-    except RuntimeError as err:
-        assert "INV-6" in str(err)
-    else:
-        raise AssertionError("a null host block must be refused")

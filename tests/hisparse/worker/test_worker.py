@@ -10,9 +10,12 @@ checked against what the "forward" wrote.
 import numpy as np
 import pytest
 import torch
+from vllm.v1.hisparse import reference
+from vllm.v1.hisparse.binding import make_runtime
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata
+from vllm.v1.hisparse.worker import HiSparseWorker, reused_blocks_this_step
 from worker_harness import (
     B,
-    W,
     Batch,
     ReferenceOps,
     attn_metadata,
@@ -20,11 +23,6 @@ from worker_harness import (
     host_pool,
     tiny_config,
 )
-
-from vllm.v1.hisparse import reference
-from vllm.v1.hisparse.binding import make_runtime
-from vllm.v1.hisparse.metadata import HiSparseStepMetadata
-from vllm.v1.hisparse.worker import HiSparseWorker, reused_blocks_this_step
 
 
 class Rig:
@@ -74,14 +72,15 @@ class Rig:
         arrays = {k: np.asarray(v) for k, v in fields.items()}
         return HiSparseStepMetadata(step=self.step, **arrays)
 
-    def spill(self, tid: int, host_block: int, resident_block: int) -> dict:
+    def spill(self, tid: int, host_block: int, resident_block: int,
+              restore: bool = False) -> dict:
         g = len(self.res_ids)
         return dict(
             transfer_ids=np.array([tid], dtype=np.int64),
             transfer_host_blocks=np.array([host_block], dtype=np.int32),
             transfer_resident_blocks=np.array(
                 [[50 * j + resident_block for j in range(g)]], dtype=np.int32),
-            transfer_restore=np.array([False]),
+            transfer_restore=np.array([restore]),
         )
 
     def run(self, meta, num_decodes: int = 0, num_decode_tokens: int = 0,
@@ -204,6 +203,30 @@ def test_lazy_spill_copies_the_whole_page_of_every_layer():
         res_block = 50 * lv.pair + 3
         assert torch.equal(lv.host[5 * B:6 * B], lv.resident[res_block]), name
     assert 9 in rig.worker.take_acks().completed
+
+
+def test_restore_copies_the_host_page_of_every_layer_before_the_forward():
+    """W-14, 4.13 step 4: a restore copies the host page into the page's
+    resident block of every layer in start_step (before the forward reads
+    it), on the compute stream, and is acked with its step."""
+    rig = Rig()
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[64], scheduled=[1])
+    for name, lv in rig.rt.layers.items():
+        fill_pattern(lv.host[5 * B:6 * B], seed=len(name) + lv.pair)
+    seen = {}
+
+    def before_forward():
+        for name, lv in rig.rt.layers.items():
+            seen[name] = torch.equal(lv.resident[50 * lv.pair + 3], lv.host[5 * B:6 * B])
+
+    rig.run(rig.meta(**rig.spill(4, host_block=5, resident_block=3, restore=True)),
+            num_decodes=1, num_decode_tokens=1, before_finish=before_forward)
+    assert seen and all(seen.values()), seen
+    assert ("record", "restore", "compute") in rig.worker.streams.log
+    ack = rig.worker.take_acks()
+    assert ack.enqueued == {4: frozenset({0})} and ack.submitted_step == {4: 1}
+    assert 4 in ack.completed
 
 
 def test_zero_token_step_submits_transfers_and_replays_no_mirror():
@@ -507,4 +530,3 @@ def test_workspace_overflow_is_an_error():
         rig.rt.decode_rows(rig.layout.sparse_layers[0], 9, topk,
                            torch.zeros(9, dtype=torch.int32),
                            torch.zeros((9, 4), dtype=torch.int32))
-    assert W == 656

@@ -1140,10 +1140,8 @@ def get_hisparse_kv_cache_configs(
             )
     max_model_len = model_config.max_model_len
     staging = staging_blocks(layout, max_model_len, vllm_config)
-    available_memory = [
-        max(avail - staging_for(max_model_len) * bytes_per_block, 0)
-        for avail in available_memory
-    ]
+    reserved = staging_for(max_model_len) * bytes_per_block
+    available_memory = [max(avail - reserved, 0) for avail in available_memory]
 
     check_host_pool_holds_one_request(
         host_pool.num_blocks,

@@ -292,12 +292,8 @@ class HiSparseHotManager(FullAttentionManager):
         need = self.num_new_blocks(request_id, num_tokens)
         if need == 0:
             return []
-        held = self.req_to_blocks[request_id]
-        new_region = not held and self.hisparse.hots and self.hisparse.hots[0] is self
         blocks = self.block_pool.get_new_blocks(need)
-        held.extend(blocks)
-        if new_region:
-            self.hisparse.note_hot_region_allocated(blocks[0])
+        self.req_to_blocks[request_id].extend(blocks)
         return blocks
 
     def cache_blocks(

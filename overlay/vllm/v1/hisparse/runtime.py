@@ -38,12 +38,15 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
 from vllm.logger import init_logger
 from vllm.v1.hisparse.staging import (
     StagedRequest,
+    context_pages,
     host_backed_rows,
+    page_copy_rows,
     plan_staged_request,
+    require_host_blocks,
+    to_device,
 )
 
 logger = init_logger(__name__)
@@ -327,9 +330,7 @@ class HiSparseRuntime:
             group.lru[slots] = self._lru_init
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(
-            self.device, non_blocking=True
-        )
+        return to_device(values, self.device)
 
     # -------------------------------------------------- per-step inputs
 
@@ -382,12 +383,11 @@ class HiSparseRuntime:
         their rows through an effective block table, null pages staged into
         the slab's staging blocks (K13). CPU numpy, once per forward."""
         g, b = self.geometry, self.block_size
-        rows = np.arange(num_decode_reqs)
-        seq = np.asarray(self.tables.seq_lens_cpu()[:num_decode_reqs], dtype=np.int64)
-        pages = -(-seq // b)
-        width = int(pages.max()) if pages.size else 0
-        resident = [self.tables.host(gid)[rows, :width] for gid in self.resident_group_ids]
-        live = np.arange(width)[None, :] < pages[:, None]
+        n = num_decode_reqs
+        seq = np.asarray(self.tables.seq_lens_cpu()[:n], dtype=np.int64)
+        width = int(-(-seq.max() // b)) if n else 0
+        resident = [self.tables.host(gid)[:n, :width] for gid in self.resident_group_ids]
+        live = context_pages(seq, width, b)
         null = (resident[0] == 0) & live
         count = int(null.sum())
         if count > g.num_staging_blocks:
@@ -400,19 +400,16 @@ class HiSparseRuntime:
         for table in resident:
             eff = np.where(live, table, 0).astype(np.int64)
             eff[null] = ids
-            effective.append(torch.from_numpy(eff).to(self.device, non_blocking=True))
-        host_blocks = self.tables.host(self.source_group_id)[rows, :width][null]
-        if count and (host_blocks <= 0).any():
-            raise RuntimeError("HiSparse: a host-only page has no host block (INV-6)")
-        offsets = np.arange(b, dtype=np.int64)
-        src = host_blocks.astype(np.int64)[:, None] * b + offsets
-        dst = ids[:, None] * b + offsets
+            effective.append(to_device(eff, self.device))
+        host_blocks = self.tables.host(self.source_group_id)[:n, :width][null]
+        require_host_blocks(host_blocks, "host-only pages of short prefill chunks")
+        src, dst, mask = page_copy_rows(host_blocks, ids, b, self.device)
         self.extend_plan = ExtendPlan(
             effective=tuple(effective),
             width=width,
-            host_src_rows=self._index(src).to(torch.int32),
-            dst_rows=self._index(dst).to(torch.int32),
-            mask=torch.ones(src.shape, dtype=torch.int32, device=self.device),
+            host_src_rows=src,
+            dst_rows=dst,
+            mask=mask,
         )
 
     def extend_rows(

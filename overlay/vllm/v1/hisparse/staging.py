@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from vllm.utils.math_utils import cdiv
 
 
@@ -50,6 +49,42 @@ class StagedRequest:
     """int32 [n_null, B]: all ones (every row of a null page is copied)."""
 
 
+def to_device(
+    values: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """A host array on ``device`` (an asynchronous copy where it can be)."""
+    return torch.from_numpy(np.ascontiguousarray(values)).to(
+        device=device, dtype=dtype, non_blocking=True
+    )
+
+
+def context_pages(seq_lens: np.ndarray, width: int, block_size: int) -> np.ndarray:
+    """bool [n, width]: page p of row i is among its cdiv(seq_len, B) pages."""
+    pages = -(-np.asarray(seq_lens, dtype=np.int64) // block_size)
+    return np.arange(width)[None, :] < pages[:, None]
+
+
+def require_host_blocks(host_blocks: np.ndarray, what: str) -> None:
+    """INV-6: every page read from host has a host block."""
+    if host_blocks.size and (host_blocks <= 0).any():
+        raise RuntimeError(f"HiSparse: {what} read from host without a host block (INV-6)")
+
+
+def page_copy_rows(
+    src_blocks: np.ndarray, dst_blocks: np.ndarray, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gather_plan`` inputs copying whole pages: int32 [n, B] source rows
+    (src block * B + offset), destination rows, and an all-ones mask."""
+    offsets = np.arange(block_size, dtype=np.int64)
+    src = src_blocks.astype(np.int64)[:, None] * block_size + offsets
+    dst = dst_blocks.astype(np.int64)[:, None] * block_size + offsets
+    return (
+        to_device(src, device, torch.int32),
+        to_device(dst, device, torch.int32),
+        torch.ones(src.shape, dtype=torch.int32, device=device),
+    )
+
+
 def host_backed_rows(
     resident_table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int
 ) -> np.ndarray:
@@ -57,10 +92,8 @@ def host_backed_rows(
     cdiv(seq_len, B) pages (vectorised: no Python loop over requests)."""
     if rows.size == 0:
         return rows
-    pages = -(-seq_lens // block_size)
-    width = resident_table.shape[1]
-    cols = np.arange(width)[None, :]
-    null = (resident_table[rows] == 0) & (cols < pages[:, None])
+    table = resident_table[rows]
+    null = (table == 0) & context_pages(seq_lens, table.shape[1], block_size)
     return rows[null.any(axis=1)]
 
 
@@ -82,33 +115,22 @@ def plan_staged_request(
     first = resident_tables[0][row, :num_pages]
     resident = np.nonzero(first != 0)[0]
     null = np.nonzero(first == 0)[0]
-    host_blocks = source_table[row, null].astype(np.int64)
-    if host_blocks.size and (host_blocks <= 0).any():
-        raise RuntimeError(
-            f"HiSparse: batch row {row} reads page(s) "
-            f"{null[host_blocks <= 0].tolist()} from host but has no host block "
-            "for them (INV-6)"
-        )
-    offsets = np.arange(block_size, dtype=np.int64)
-    host_src = host_blocks[:, None] * block_size + offsets
-    host_dst = (null.astype(np.int64)[:, None] + 1) * block_size + offsets
-
-    def to_device(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values)).to(
-            device=device, dtype=dtype, non_blocking=True
-        )
-
+    host_blocks = source_table[row, null]
+    require_host_blocks(
+        host_blocks, f"batch row {row}'s page(s) {null[host_blocks <= 0].tolist()}"
+    )
+    host_src, host_dst, host_mask = page_copy_rows(
+        host_blocks, null + 1, block_size, device
+    )
     return StagedRequest(
         row=row,
         seq_len=seq_len,
         num_pages=num_pages,
-        d2d_dst=to_device(resident + 1, torch.int64),
-        d2d_src=tuple(
-            to_device(table[row, resident], torch.int64) for table in resident_tables
-        ),
-        host_src_rows=to_device(host_src, torch.int32),
-        host_dst_rows=to_device(host_dst, torch.int32),
-        host_mask=torch.ones(host_src.shape, dtype=torch.int32, device=device),
+        d2d_dst=to_device(resident + 1, device),
+        d2d_src=tuple(to_device(table[row, resident], device) for table in resident_tables),
+        host_src_rows=host_src,
+        host_dst_rows=host_dst,
+        host_mask=host_mask,
     )
 
 
@@ -160,6 +182,10 @@ class StagingCache:
 __all__ = [
     "StagedRequest",
     "StagingCache",
+    "context_pages",
     "host_backed_rows",
+    "page_copy_rows",
     "plan_staged_request",
+    "require_host_blocks",
+    "to_device",
 ]

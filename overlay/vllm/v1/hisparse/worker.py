@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from vllm.logger import init_logger
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.hisparse.runtime import HiSparseRuntime
@@ -159,6 +158,19 @@ class HostWriteEvents:
             self._streams.synchronize(self._events[prev])
 
 
+def written_slots(
+    runtime: HiSparseRuntime, first: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [first, end) of this step: the resident slot of each token per
+    resident group (int64 [G, n], the row its KV write used) and its host
+    row (int64 [n], the source group's slot), -1 for padding."""
+    tables = runtime.tables
+    resident = torch.stack(
+        [tables.slot_mapping(gid)[first:end] for gid in runtime.resident_group_ids]
+    )
+    return resident, tables.slot_mapping(runtime.source_group_id)[first:end]
+
+
 class MirrorPlan:
     """Row-mirror descriptors built on the device from the slot mappings.
 
@@ -215,13 +227,7 @@ class MirrorPlan:
         self.first_token, self.num_rows = first_token, n
         if n == 0:
             return 0
-        resident = torch.stack(
-            [
-                rt.tables.slot_mapping(gid)[first_token:num_tokens]
-                for gid in rt.resident_group_ids
-            ]
-        )
-        host = rt.tables.slot_mapping(rt.source_group_id)[first_token:num_tokens]
+        resident, host = written_slots(rt, first_token, num_tokens)
         per_layer = resident.index_select(0, self._pair_of_layer)  # [L, n]
         valid = (per_layer >= 0) & (host >= 0).unsqueeze(0)
         rows = per_layer.clamp(min=0)
@@ -317,7 +323,13 @@ class HiSparseWorker:
         self._closed = False
         g = runtime.geometry
         self._page_bytes = g.block_size * g.row_bytes
-        _ACTIVE.append(self)
+        # Per mirror-ordered layer: its pair, offset in a block and host base
+        # (the page descriptors of spills and restores).
+        layers = [runtime.layers[n] for n in self.mirror.layer_order]
+        self._layer_pair = np.array([lv.pair for lv in layers], dtype=np.int64)
+        self._layer_offset = np.array([lv.offset for lv in layers], dtype=np.int64)
+        self._layer_host = np.array([lv.host_ptr for lv in layers], dtype=np.int64)
+        _set_current(self)
 
     # ------------------------------------------------------------ W1
 
@@ -462,10 +474,7 @@ class HiSparseWorker:
                 streams.wait(streams.dma, self._forward_ready(step))
             streams.record(event, streams.dma)
         step.submitted = True
-        ids = [int(t) for t in meta.transfer_ids[spills]]
-        for tid in ids:
-            self._enqueued[tid] = meta.step
-        self._in_flight.append(_InFlight(event, ids, meta.step))
+        self._track(event, meta, spills)
 
     def _restore(self, meta: HiSparseStepMetadata, indices: np.ndarray) -> None:
         """Host -> resident copies before the forward, on the compute stream,
@@ -479,7 +488,14 @@ class HiSparseWorker:
         self._page_copy(src, dst, sizes)
         event = streams.event("restore")
         streams.record(event, streams.compute())
-        ids = [int(t) for t in meta.transfer_ids[indices]]
+        self._track(event, meta, indices)
+
+    def _track(
+        self, event: Any, meta: HiSparseStepMetadata, indices: np.ndarray
+    ) -> None:
+        """Transfers ``indices`` of ``meta`` were submitted this step and
+        complete with ``event`` (acked as enqueued now, completed later)."""
+        ids = meta.transfer_ids[indices].tolist()
         for tid in ids:
             self._enqueued[tid] = meta.step
         self._in_flight.append(_InFlight(event, ids, meta.step))
@@ -488,18 +504,14 @@ class HiSparseWorker:
         self, resident_blocks: np.ndarray, host_blocks: np.ndarray, to_host: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One page-sized descriptor per (transfer, layer) (4.3 lazy mode)."""
-        rt, g = self.runtime, self.runtime.geometry
-        names = self.mirror.layer_order
-        pairs = np.array([rt.layers[n].pair for n in names], dtype=np.int64)
-        offsets = np.array([rt.layers[n].offset for n in names], dtype=np.int64)
-        host_base = np.array([rt.layers[n].host_ptr for n in names], dtype=np.int64)
+        g = self.runtime.geometry
         gpu = (
             self.slab.data_ptr()
-            + resident_blocks.astype(np.int64)[:, pairs] * g.bytes_per_block
-            + offsets[None, :]
+            + resident_blocks.astype(np.int64)[:, self._layer_pair] * g.bytes_per_block
+            + self._layer_offset[None, :]
         )
         host = (
-            host_base[None, :]
+            self._layer_host[None, :]
             + host_blocks.astype(np.int64)[:, None] * self._page_bytes
         )
         src, dst = (gpu, host) if to_host else (host, gpu)
@@ -553,18 +565,11 @@ class HiSparseWorker:
     # -------------------------------------------------------- debug audit
 
     def _remember_for_audit(self) -> None:
-        rt = self.runtime
         first, n = self.mirror.first_token, self.mirror.num_rows
         if n == 0:
             self._audit = None
             return
-        resident = torch.stack(
-            [
-                rt.tables.slot_mapping(gid)[first : first + n]
-                for gid in rt.resident_group_ids
-            ]
-        )
-        host = rt.tables.slot_mapping(rt.source_group_id)[first : first + n]
+        resident, host = written_slots(self.runtime, first, first + n)
         # Copies: the slot-mapping buffers are rewritten by the next step.
         self._audit = (resident.cpu().numpy().copy(), host.cpu().numpy().copy())
 
@@ -603,8 +608,8 @@ class HiSparseWorker:
         if self._closed:
             return
         self._closed = True
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        if _current is self:
+            _set_current(None)
         if self.host_pool is not None:
             self.host_pool.shutdown()
 
@@ -618,13 +623,28 @@ def decode_query_len(attn_metadata: Any) -> int:
     return int(decode.decode_query_len) if decode is not None else 0
 
 
-_ACTIVE: list[HiSparseWorker] = []
+# The worker of this process (one engine, one rank per process): the
+# HiSparse-aware offloader, a sibling connector that cannot reach it through
+# vLLM, reads its step's reused blocks here; tests and the e2e counters read
+# its audit.
+_current: HiSparseWorker | None = None
+
+
+def _set_current(worker: HiSparseWorker | None) -> None:
+    global _current
+    _current = worker
+
+
+def current_worker() -> HiSparseWorker | None:
+    return _current
 
 
 def reused_blocks_this_step() -> np.ndarray:
     """GPU blocks of the current step that were unpinned pages (F16), for
     the HiSparse-aware offloader of the same worker process."""
-    return _ACTIVE[-1].reused_block_ids if _ACTIVE else np.zeros(0, dtype=np.int32)
+    if _current is None:
+        return np.zeros(0, dtype=np.int32)
+    return _current.reused_block_ids
 
 
 def _swap_blocks_batch(
@@ -641,6 +661,7 @@ __all__ = [
     "HostWriteEvents",
     "MirrorPlan",
     "StreamOps",
+    "current_worker",
     "debug_enabled",
     "reused_blocks_this_step",
 ]

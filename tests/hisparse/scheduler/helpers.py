@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Small helpers shared by the scheduler-side scenario tests."""
+
+import random
+
+from tests.hisparse.scheduler.harness import run_step
+from tests.hisparse.scheduler.invariants import check_invariants
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` seeded token ids (the same prompt for the same seed)."""
+    rng = random.Random(seed)
+    return [rng.randint(1, 900) for _ in range(n)]
+
+
+def coord(s):
+    """The scheduler's HiSparse KV-cache coordinator."""
+    return s.kv_cache_manager.coordinator
+
+
+def hs(s):
+    """The residency coordinator (``HiSparseCoordinator``)."""
+    return coord(s).hisparse
+
+
+def step(s, w):
+    """One engine step with the simulated worker, then every invariant."""
+    so = run_step(s, w)
+    check_invariants(s)
+    return so
+
+
+def published_pages(s, request) -> int:
+    """Leading pages of ``request`` whose hash is in the host prefix cache."""
+    pool = coord(s).host_pool
+    n = 0
+    for h in request.block_hashes:
+        if pool.get_cached_block(h, [coord(s).source_group_id]) is None:
+            break
+        n += 1
+    return n

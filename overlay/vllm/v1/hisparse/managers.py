@@ -176,14 +176,20 @@ class HiSparseResidentManager(FullAttentionManager):
         entries for local and external hits alike), capped at cap_res on
         admission (spec 2.4)."""
         pages = cdiv(num_tokens, self.block_size)
-        if apply_admission_cap and self._max_admission_blocks_per_request is not None:
-            pages = min(pages, self._max_admission_blocks_per_request)
         held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
-            return max(pages - held, 0)  # running: its table covers its history
-        computed = max(held + len(new_computed_blocks),
-                       total_computed_tokens // self.block_size)
-        return max(pages - computed, 0)
+            # Running: its table covers its history (null entries included).
+            new = pages - held
+        else:
+            computed = max(held + len(new_computed_blocks),
+                           total_computed_tokens // self.block_size)
+            new = pages - computed
+        cap = self._max_admission_blocks_per_request
+        if apply_admission_cap and cap is not None:
+            # The cap bounds the pages still to compute, not the context: a
+            # long host-prefix hit still costs up to cap_res new pages.
+            new = min(new, cap)
+        return max(new, 0)
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Pages ``allocate_new_blocks`` would add for ``num_tokens``."""

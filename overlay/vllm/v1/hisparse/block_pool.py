@@ -43,7 +43,7 @@ updates its own tables).
 
 
 class UnpinBlockPool(BlockPool):
-    """``BlockPool`` plus ``unpin_blocks`` / ``repin_blocks`` and reuse watchers.
+    """``BlockPool`` plus ``unpin_blocks`` and reuse watchers.
 
     Every inherited operation behaves exactly as in ``BlockPool`` for blocks
     that were never unpinned (allocation order, prefix-cache eviction, KV
@@ -55,11 +55,11 @@ class UnpinBlockPool(BlockPool):
       and keeps its bytes and any prefix-cache hash.
     - ``get_new_blocks`` fires and removes the watcher of every block it hands
       out, before returning (INV-3).
-    - ``repin_blocks`` is the *owner* taking its page back before reuse: it
-      cancels the watcher, then touches the block.
-    - ``touch`` (inherited) is *anyone else* taking a reference, e.g. a
+    - ``touch`` (inherited) is a new holder taking a reference, e.g. a
       cross-request adoption of a GPU copy (spec 4.7): the watcher stays, so
-      the unpinning owner still learns when the block is finally reused.
+      the unpinning owner still learns when the block is finally reused. An
+      owner never takes an unpinned page back (a page, once clean and
+      unpinned, is read from host or adopted; docs/layout.md B1).
     - ``free_blocks`` of a block that still holds references (an adopter
       releasing it) leaves the watcher in place: the next reallocation still
       notifies. Freeing a block whose count is already 0 (an unpinned block in
@@ -127,33 +127,6 @@ class UnpinBlockPool(BlockPool):
         # Tail, not head: unpinned pages are the last-resort eviction
         # candidates, behind every never-used and unhashed free block.
         self.free_block_queue.append_n(released)
-
-    def repin_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """The owner takes unpinned blocks back before they are reused.
-
-        Cancels each block's watcher, then ``touch``es it (ref_cnt + 1, out of
-        the free queue if it was there). A block whose watcher already fired
-        has been reallocated: the owner lost the page and must not repin.
-
-        Raises:
-            ValueError: a block that has no watcher (never unpinned, or
-                already reused); nothing is changed in that case.
-        """
-        seen: set[int] = set()
-        for block in blocks:
-            if block.block_id not in self._reuse_watchers:
-                raise ValueError(
-                    f"repin_blocks: block {block.block_id} is not unpinned "
-                    "(never unpinned, or already reused)"
-                )
-            if block.block_id in seen:
-                raise ValueError(
-                    f"repin_blocks: block {block.block_id} is listed twice"
-                )
-            seen.add(block.block_id)
-        for block in blocks:
-            del self._reuse_watchers[block.block_id]
-        self.touch(blocks)
 
     def has_reuse_watcher(self, block: KVCacheBlock) -> bool:
         """True while ``block`` is unpinned and not yet reallocated."""

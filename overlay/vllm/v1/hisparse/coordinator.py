@@ -25,11 +25,16 @@ residency updates, CoW pairs and the step's block events (new host blocks,
 reused GPU blocks, hot regions) for the worker as flat arrays (INV-2,
 ``vllm.v1.hisparse.metadata``), and it consumes the worker's acks.
 
-Hot path: ``advance_scheduled`` runs once per scheduled request per step and
-``build_step_metadata`` once per step. Both loop over pages (at most the
-pages a step touches, plus a request's first unpin of its history), never
-over tokens; ``build_step_metadata`` visits only the requests whose resident
-table changed (``_dirty``), not every scheduled request.
+Hot path: residency is event-driven. A request's full pass
+(``advance_scheduled``: materialize, adopt, unpin, transition checks) runs
+only when something it depends on changed: a new full page, an allocation
+(table growth, a hot region), a lost or adopted page, a hot transition, a
+spill backlog. Otherwise the request is *settled* and its per-step cost is
+one comparison here and one in each KV-cache coordinator hook (``room``).
+Acks act on the requests they name (``update_spills``). The free-block
+watermark is checked once per step (``build_step_metadata``), which visits
+only the requests whose resident table changed (``_dirty``). Loops run over
+pages, never over tokens.
 """
 
 import sys
@@ -90,6 +95,18 @@ class RequestResidency:
     hot_ready: bool = False
     """The hot region is complete (cached: it never shrinks while live)."""
     detached: "DetachedPublication | None" = None
+    settled_pages: int = -1
+    """Full pages at the last full pass, when nothing else is due; -1 makes
+    the next scheduling pass run the full residency step."""
+    room: int = 0
+    """Tokens every group's table holds with no allocation in any group,
+    set by the KV-cache coordinator after a full pass; 0 when unknown or
+    while a hot region is due."""
+
+    def unsettle(self) -> None:
+        """Something changed: the next pass runs in full and allocates."""
+        self.settled_pages = -1
+        self.room = 0
 
 
 @dataclass(eq=False)
@@ -240,7 +257,19 @@ class HiSparseCoordinator:
 
     def require_hot(self, request_id: str) -> None:
         """The request's hot region is allocated on its next scheduling pass."""
-        self._state(request_id).hot_required = True
+        self._set_hot_required(self._state(request_id))
+
+    def _set_hot_required(self, st: RequestResidency) -> None:
+        if not st.hot_required:
+            st.hot_required = True
+            st.unsettle()  # the region is allocated on the next pass
+
+    def note_allocated(self, request_id: str) -> None:
+        """The request's tables grew (pages or its hot region): its unpin
+        limit and hot readiness change, so the next pass runs in full."""
+        st = self.states.get(request_id)
+        if st is not None:
+            st.unsettle()
 
     def can_read_from_host(self, request_id: str) -> bool:
         """Every hot group holds the request's full region (spec 4.5)."""
@@ -330,6 +359,7 @@ class HiSparseCoordinator:
         st.pages_to_adopt = num_pages
         st.copies_recorded = max(st.copies_recorded, num_pages)
         st.hot_required = True
+        st.unsettle()
 
     def publish_when_ready(self, request: Request, num_tokens: int) -> None:
         """The source manager's ``cache_blocks``: remember the request and
@@ -352,8 +382,18 @@ class HiSparseCoordinator:
         tables = self._tables(request.request_id)
         if not tables[0]:
             return
-        self._materialize(st, tables, num_tokens // self.block_size)
+        n_full = num_tokens // self.block_size
+        self._materialize(st, tables, n_full)
         self._update_residency(st, tables)
+        # Settled unless a spill backlog (budget) or a hot region is due.
+        backlog = st.next_plan < min(n_full, len(tables[0]))
+        due = st.hot_required and not st.hot_ready
+        st.settled_pages = -1 if backlog or due else n_full
+
+    def is_settled(self, request_id: str, num_tokens: int) -> bool:
+        """Nothing the full pass depends on changed since the last one."""
+        st = self.states.get(request_id)
+        return st is not None and st.settled_pages == num_tokens // self.block_size
 
     def _materialize(
         self, st: RequestResidency, tables: list[list[KVCacheBlock]], n_sealed: int
@@ -404,11 +444,19 @@ class HiSparseCoordinator:
             return
         if st.hot_required:
             return  # the region comes on a later pass; pages stay pinned
-        if (
-            self.gpu_pool.get_num_free_blocks() < self.transition_watermark
-            or len(tables[0]) >= self.cap_res_pages
-        ):
-            st.hot_required = True
+        # The free-block watermark is checked once per step, for all
+        # requests (build_step_metadata); the window here, as tables grow.
+        if len(tables[0]) >= self.cap_res_pages:
+            self._set_hot_required(st)
+
+    def _check_watermark(self) -> None:
+        """Spec 4.5: below the watermark every running request turns
+        hot-required (its region comes on its next pass). Once per step."""
+        if self.gpu_pool.get_num_free_blocks() >= self.transition_watermark:
+            return
+        for st in self.states.values():
+            if not st.hot_required:
+                self._set_hot_required(st)
 
     # ------------------------------------------------- unpin / reuse / lose
 
@@ -447,21 +495,27 @@ class HiSparseCoordinator:
 
     def _lose_page(self, st: RequestResidency, page: int, reused_id: int) -> None:
         """Null the page in every resident group (INV-7, INV-22)."""
-        for t in self._tables(st.request_id):
-            blk = t[page]
+        for m in self.residents:
+            blk = m.drop_page(st.request_id, page)
             if blk.block_id != reused_id:
-                owners = self.owners.get(blk.block_id)
-                if owners is not None:
-                    owners.discard((st, page))
-                    if not owners:
-                        del self.owners[blk.block_id]
-            t[page] = self.gpu_pool.null_block
+                self._disown(blk, st, page)
         st.unpinned.discard(page)
+        self._mark_dirty(st, page)
+        self._set_hot_required(st)
+        self.stats.lost_pages += 1
+
+    def _disown(self, blk: KVCacheBlock, st: RequestResidency, page: int) -> None:
+        owners = self.owners.get(blk.block_id)
+        if owners is not None:
+            owners.discard((st, page))
+            if not owners:
+                del self.owners[blk.block_id]
+
+    def _mark_dirty(self, st: RequestResidency, page: int) -> None:
+        """The worker's copy of ``st``'s resident table differs from ``page``."""
         if page < st.dirty_from:
             st.dirty_from = page
             self._dirty[st] = None
-        st.hot_required = True
-        self.stats.lost_pages += 1
 
     # --------------------------------------------------- copies / adoption
 
@@ -514,12 +568,10 @@ class HiSparseCoordinator:
             if blocks is None:
                 continue
             self.gpu_pool.touch(list(blocks))
-            for t, b in zip(tables, blocks):
-                t[p] = b
+            for m, b in zip(self.residents, blocks):
+                m.adopt_page(st.request_id, p, b)
             st.pinned_clean.add(p)
-            if p < st.dirty_from:
-                st.dirty_from = p
-                self._dirty[st] = None
+            self._mark_dirty(st, p)
             self.stats.pages_adopted += 1
         st.pages_to_adopt = 0
 
@@ -640,22 +692,14 @@ class HiSparseCoordinator:
             self._cancel_unsent_spills(st)
         tables = self._tables(request_id) if self.residents else []
         if tables and tables[0]:
-            null = self.gpu_pool.null_block
             for p in st.unpinned:
-                for t in tables:
-                    owners = self.owners.get(t[p].block_id)
-                    if owners is not None:
-                        owners.discard((st, p))
-                        if not owners:
-                            del self.owners[t[p].block_id]
-                    t[p] = null
+                for m in self.residents:
+                    self._disown(m.drop_page(request_id, p), st, p)
             anonymous: list[KVCacheBlock] = []
             for p in sorted(st.pinned_clean, reverse=True):
                 if p in st.pending or p >= len(tables[0]):
                     continue
-                for t in tables:
-                    anonymous.append(t[p])
-                    t[p] = null
+                anonymous.extend(m.drop_page(request_id, p) for m in self.residents)
             if anonymous:
                 self.gpu_pool.unpin_blocks(anonymous, self._on_block_reused)
             st.unpinned.clear()
@@ -709,6 +753,7 @@ class HiSparseCoordinator:
         No row-mirror envelopes: the workers mirror exactly the rows each
         forward wrote (docs/residency.md R16, docs/worker.md K2)."""
         self.step += 1
+        self._check_watermark()
         g = len(self.residents)
         meta = HiSparseStepMetadata(step=self.step)
         meta.transfer_resident_blocks = np.zeros((0, g), dtype=np.int32)

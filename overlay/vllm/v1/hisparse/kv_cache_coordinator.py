@@ -31,6 +31,10 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+)
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
 from vllm.v1.hisparse.layout import HiSparseKVCacheConfig
@@ -186,6 +190,25 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         self._lead_groups = tuple((g, 1) for g in self._own_group_ids) + tuple(
             (ids[0], len(ids)) for ids in self._lockstep
         )
+        managers = self.single_type_managers
+        # Groups whose manager frees blocks outside an attention window; full
+        # attention never does, so for it remove_skipped_blocks is skipped.
+        self._skipping_group_ids = tuple(
+            g for g in self._own_group_ids
+            if type(managers[g]).get_num_skipped_tokens
+            is not SingleTypeKVCacheManager.get_num_skipped_tokens
+        )
+        # A settled request's "room" (tokens its tables hold without any
+        # allocation) is exact when every group holds cdiv(tokens, B) blocks:
+        # full attention everywhere but the hot groups (their region is
+        # complete once the request is settled).
+        self._room_group_ids: tuple[int, ...] | None = None
+        if all(isinstance(managers[g], FullAttentionManager) for g in self._own_group_ids):
+            self._room_group_ids = (*self._own_group_ids, *self.resident_group_ids[:1])
+        # allocate_slots only tests the result with any(): never mutated.
+        self._no_new_blocks: tuple[list[KVCacheBlock], ...] = tuple(
+            [] for _ in managers
+        )
 
     def _replace_hisparse_managers(self, config: HiSparseKVCacheConfig) -> None:
         """Swap the registry's default managers of the HiSparse groups for
@@ -309,6 +332,8 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
     ) -> int:
+        if not apply_admission_cap and self._fits(request_id, num_tokens):
+            return 0
         managers = self.single_type_managers
         total = 0
         for gid, multiplicity in self._lead_groups:
@@ -331,6 +356,8 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         num_tokens_main_model: int,
         num_encoder_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
+        if self._fits(request_id, num_tokens):
+            return self._no_new_blocks
         managers = self.single_type_managers
         out: list[list[KVCacheBlock]] = [[] for _ in managers]
         for gid in self._own_group_ids:
@@ -349,10 +376,17 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             blocks = self.block_pool.get_new_blocks(n * len(group_ids))
             for i, gid in enumerate(group_ids):
                 out[gid] = blocks[i * n:(i + 1) * n]
-                managers[gid].req_to_blocks[request_id].extend(out[gid])
+                managers[gid].append_blocks(request_id, out[gid])
             if new_region:
                 self.hisparse.note_hot_region_allocated(blocks[0])
+        self.hisparse.note_allocated(request_id)
         return tuple(out)
+
+    def _fits(self, request_id: str, num_tokens: int) -> bool:
+        """A settled request whose tables already hold ``num_tokens``: no
+        group allocates (the per-step decode fast path)."""
+        st = self.hisparse.states.get(request_id)
+        return st is not None and num_tokens <= st.room
 
     def remove_skipped_blocks(
         self,
@@ -361,7 +395,7 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         num_prompt_tokens: int | None = None,
     ) -> None:
         # Resident and hot groups never skip tokens (full attention).
-        for gid in self._own_group_ids:
+        for gid in self._skipping_group_ids:
             self.single_type_managers[gid].remove_skipped_blocks(
                 request_id, processed_computed_tokens, num_prompt_tokens
             )
@@ -370,6 +404,8 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         """Cache the source (publish when durable), indexer and other groups
         (the pin's rule, including the EAGLE lookahead block); resident and
         hot groups are never prefix-cached. Then run the residency step."""
+        if self.hisparse.is_settled(request.request_id, num_computed_tokens):
+            return  # no new full page, nothing due: nothing to cache or do
         aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
         managers = self.single_type_managers
         for gid in self._own_group_ids:
@@ -388,6 +424,16 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 for gid in group_ids:
                     managers[gid].num_cached_block.setdefault(req_id, 0)
         self.hisparse.advance_scheduled(request, num_computed_tokens)
+        self._set_room(req_id)
+
+    def _set_room(self, request_id: str) -> None:
+        st = self.hisparse.states.get(request_id)
+        if st is None or self._room_group_ids is None or st.settled_pages < 0:
+            return
+        managers = self.single_type_managers
+        st.room = self.scheduler_block_size * min(
+            len(managers[g].req_to_blocks.get(request_id, ())) for g in self._room_group_ids
+        )
 
     def _release_hot_region(self, request_id: str) -> None:
         """Report the request's hot region as released; called once, before

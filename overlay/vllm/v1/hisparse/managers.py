@@ -152,7 +152,20 @@ class HiSparseSourceManager(FullAttentionManager):
         return []
 
 
-class HiSparseResidentManager(FullAttentionManager):
+class HiSparseLockstepManager(FullAttentionManager):
+    """A group of a lockstep set (the resident groups, the hot groups): the
+    KV-cache coordinator sizes one allocation for the whole set from the
+    first group's ``num_new_blocks`` and hands each group its share."""
+
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        raise NotImplementedError
+
+    def append_blocks(self, request_id: str, blocks: Sequence[KVCacheBlock]) -> None:
+        """This group's share of a lockstep allocation."""
+        self.req_to_blocks[request_id].extend(blocks)
+
+
+class HiSparseResidentManager(HiSparseLockstepManager):
     """A resident group: the GPU write-back cache of a set of sparse layers.
 
     A null entry means "read this page from host". Pages are never prefix
@@ -192,7 +205,7 @@ class HiSparseResidentManager(FullAttentionManager):
         return max(new, 0)
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Pages ``allocate_new_blocks`` would add for ``num_tokens``."""
+        """Pages the lockstep allocation adds for ``num_tokens``."""
         held = len(self.req_to_blocks.get(request_id, ()))
         return max(cdiv(num_tokens, self.block_size) - held, 0)
 
@@ -233,8 +246,30 @@ class HiSparseResidentManager(FullAttentionManager):
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         return 0
 
+    # The residency coordinator changes a table only through these two, so
+    # the manager stays the only writer of its ``req_to_blocks``.
 
-class HiSparseHotManager(FullAttentionManager):
+    def drop_page(self, request_id: str, page: int) -> KVCacheBlock:
+        """Make ``page`` host-only (null entry) and return the block it held;
+        the caller owns that block's reference from now on (it is unpinned,
+        lost, or handed to the pool as an anonymous copy)."""
+        table = self.req_to_blocks[request_id]
+        block, table[page] = table[page], self._null_block
+        return block
+
+    def adopt_page(self, request_id: str, page: int, block: KVCacheBlock) -> None:
+        """Put a surviving GPU copy (the caller touched it) into a null entry
+        (INV-23: adoption never replaces a resident block)."""
+        table = self.req_to_blocks[request_id]
+        if not table[page].is_null:
+            raise AssertionError(
+                f"HiSparse: adopting block {block.block_id} into page {page} of "
+                f"{request_id}, which holds block {table[page].block_id} (INV-23)"
+            )
+        table[page] = block
+
+
+class HiSparseHotManager(HiSparseLockstepManager):
     """A hot group: a request's fixed region of hot slots (spec 2.4)."""
 
     def __init__(
@@ -286,21 +321,11 @@ class HiSparseHotManager(FullAttentionManager):
         return None  # a hot region is not context
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks ``allocate_new_blocks`` would add: the rest of the region,
-        once the request is hot-required."""
+        """Blocks the coordinator's lockstep allocation adds for this group:
+        the rest of the region, once the request is hot-required."""
         if not self.hisparse.is_hot_required(request_id):
             return 0
         return max(self.region_blocks - len(self.req_to_blocks.get(request_id, ())), 0)
-
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_tokens_main_model: int
-    ) -> list[KVCacheBlock]:
-        need = self.num_new_blocks(request_id, num_tokens)
-        if need == 0:
-            return []
-        blocks = self.block_pool.get_new_blocks(need)
-        self.req_to_blocks[request_id].extend(blocks)
-        return blocks
 
     def cache_blocks(
         self,

@@ -33,7 +33,7 @@ from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
-from vllm.v1.hisparse.layout import HiSparseKVCacheConfig
+from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.managers import (
     HiSparseHotManager,
     HiSparseResidentManager,

@@ -97,7 +97,33 @@ class HiSparseConfig:
         return (max_decode_query_len + 1) * index_topk
 
     def compute_hash(self) -> str:
-        """All fields shape the attention graph or the KV layout."""
-        from vllm.config.utils import get_hash_factors, hash_factors
+        """The factors of this config that belong in vLLM's compile-cache hash.
 
-        return hash_factors(get_hash_factors(self, set()))
+        ``AttentionConfig.compute_hash`` takes this hash (not the raw fields)
+        when HiSparse is on; HiSparse being on at all is already a factor
+        there. A field is a factor only if it changes the compiled graph or
+        the per-request shape of what the attention path reads. Pool sizes
+        and scheduler/runtime knobs are left out, as ``CacheConfig`` leaves
+        out ``num_gpu_blocks`` and ``gpu_memory_utilization``, so resizing the
+        host pool reuses the torch.compile cache. Per field:
+
+        - ``device_buffer_size`` (included): H is the per-request width of
+          the hot buffer the HiSparse attention path reads: the hot-slot map
+          and LRU of each index group are ``[max_num_seqs + 1, H]`` tensors,
+          the hot region is cdiv(H, B) blocks per request. None (the default,
+          (q + 1) * K) hashes as None: q and K are factors of the speculative
+          and model configs already.
+        - ``host_pool_gib`` (left out): a pool size (N_host host blocks),
+          like ``num_gpu_blocks``; no per-request shape depends on it.
+        - ``eager_host_mirror`` (left out): when the worker submits its host
+          copies on the DMA stream (every step or at spill time); nothing in
+          the forward changes.
+        - ``admission_max_tokens`` (left out): the scheduler's resident
+          window (cap_res), i.e. how many GPU blocks a request holds.
+        - ``shared_host_pool`` (left out): host pool topology (which TP rank
+          writes, the OS-page rounded stride), outside the forward.
+        """
+        from vllm.config.utils import hash_factors
+
+        # Graph/attention-shape factors only: see the docstring per field.
+        return hash_factors({"device_buffer_size": self.device_buffer_size})

@@ -115,9 +115,38 @@ def test_unset_is_none_and_hash_equals_the_pin(parse):
 
 def test_enabled_changes_the_hash():
     on = AttentionConfig(hisparse_config={"host_pool_gib": 64})
-    other = AttentionConfig(hisparse_config={"host_pool_gib": 128})
+    other = AttentionConfig(
+        hisparse_config={"host_pool_gib": 64, "device_buffer_size": 8192})
     hashes = {on.compute_hash(), other.compute_hash(), PIN_DEFAULT_ATTENTION_HASH}
     assert len(hashes) == 3
+
+
+def test_hash_covers_only_graph_shaping_fields():
+    """issue 10 part 4: the compile-cache hash keeps only what shapes the
+    attention path. Resizing the host pool, or the scheduler/runtime knobs
+    (eager_host_mirror, admission_max_tokens, shared_host_pool), must not
+    invalidate the torch.compile cache; device_buffer_size (H, the width of
+    the per-request hot-slot tensors) must."""
+    base = {"host_pool_gib": 64}
+    same = [
+        {"host_pool_gib": 384},
+        {"host_pool_gib": 64, "eager_host_mirror": False},
+        {"host_pool_gib": 64, "admission_max_tokens": 4096},
+        {"host_pool_gib": 64, "shared_host_pool": True},
+    ]
+    for fields in same:
+        assert HiSparseConfig(**fields).compute_hash() == HiSparseConfig(
+            **base).compute_hash(), fields
+        # ... and through the hash vLLM's compile cache actually uses.
+        assert AttentionConfig(hisparse_config=fields).compute_hash() == (
+            AttentionConfig(hisparse_config=base).compute_hash()), fields
+
+    for shaped in ({"device_buffer_size": 8192}, {"device_buffer_size": 4096}):
+        fields = {**base, **shaped}
+        assert HiSparseConfig(**fields).compute_hash() != HiSparseConfig(
+            **base).compute_hash(), fields
+        assert AttentionConfig(hisparse_config=fields).compute_hash() != (
+            AttentionConfig(hisparse_config=base).compute_hash()), fields
 
 
 def test_default_device_buffer_size_is_q_plus_one_times_topk():

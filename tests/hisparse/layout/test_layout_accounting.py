@@ -9,7 +9,8 @@ import pytest
 from hs_layout_builders import DSV32, GLM, P_FP8, params, specs
 
 from vllm.config import ModelConfig, VllmConfig
-from vllm.v1.hisparse.layout import build_hisparse_layout, capacity_report
+from vllm.v1.hisparse.capacity import capacity_report
+from vllm.v1.hisparse.layout import build_hisparse_layout
 from vllm.v1.hisparse.specs import (
     HiSparseHotSpec,
     HiSparseResidentSpec,

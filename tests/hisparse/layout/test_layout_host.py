@@ -8,11 +8,8 @@ import pytest
 from hs_layout_builders import DSV32, GLM, P_FP8, GiB, params, specs
 
 from vllm.v1.hisparse.config_checks import HiSparseConfigError
-from vllm.v1.hisparse.layout import (
-    build_hisparse_layout,
-    plan_host_pool,
-    registration_chunks,
-)
+from vllm.v1.hisparse.host_pool_plan import plan_host_pool, registration_chunks
+from vllm.v1.hisparse.layout import build_hisparse_layout
 
 
 @pytest.mark.parametrize(

@@ -13,11 +13,9 @@ import pytest
 import torch
 from hs_layout_builders import DSV32, GLM, IDX_LAYER_PAGE, P_FP8, params, specs
 
-from vllm.v1.hisparse.layout import (
-    build_hisparse_kv_cache_config,
-    build_hisparse_layout,
-    plan_host_pool,
-)
+from vllm.v1.hisparse.host_pool_plan import plan_host_pool
+from vllm.v1.hisparse.kv_cache_config import build_hisparse_kv_cache_config
+from vllm.v1.hisparse.layout import build_hisparse_layout
 from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
 

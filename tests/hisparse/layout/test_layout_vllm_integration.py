@@ -24,7 +24,7 @@ from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_configs,
 )
 from vllm.v1.hisparse.config_checks import HiSparseConfigError
-from vllm.v1.hisparse.layout import HiSparseKVCacheConfig
+from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.specs import (
     HiSparseHotSpec,
     HiSparseResidentSpec,
@@ -93,7 +93,7 @@ class Records(logging.Handler):
 @pytest.fixture
 def layout_log():
     handler = Records()
-    logger = logging.getLogger("vllm.v1.hisparse.layout")
+    logger = logging.getLogger("vllm.v1.hisparse.capacity")
     logger.addHandler(handler)
     yield handler.messages
     logger.removeHandler(handler)

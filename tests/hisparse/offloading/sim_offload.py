@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.hisparse.layout import HiSparseKVCacheConfig
+from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,

@@ -57,13 +57,12 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.hisparse.kv_cache_coordinator import HiSparseKVCacheCoordinator
-from vllm.v1.hisparse.layout import (
+from vllm.v1.hisparse.host_pool_plan import plan_host_pool
+from vllm.v1.hisparse.kv_cache_config import (
     HiSparseKVCacheConfig,
-    HiSparseParams,
     build_hisparse_kv_cache_config,
-    build_hisparse_layout,
-    plan_host_pool,
 )
+from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 from vllm.v1.kv_cache_interface import (

@@ -24,13 +24,12 @@ import torch
 
 from vllm.v1.hisparse import reference
 from vllm.v1.hisparse.host_pool import HostPool, HostRegistrar
-from vllm.v1.hisparse.layout import (
+from vllm.v1.hisparse.host_pool_plan import plan_host_pool
+from vllm.v1.hisparse.kv_cache_config import (
     HiSparseKVCacheConfig,
-    HiSparseParams,
     build_hisparse_kv_cache_config,
-    build_hisparse_layout,
-    plan_host_pool,
 )
+from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
 from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 
 B = 64

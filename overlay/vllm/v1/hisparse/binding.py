@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.hisparse.layout import HiSparseKVCacheConfig, HiSparseLayout
+from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
+from vllm.v1.hisparse.layout import HiSparseLayout
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata
 from vllm.v1.hisparse.runtime import (
     HiSparseRuntime,

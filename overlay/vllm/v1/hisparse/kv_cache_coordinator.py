@@ -37,7 +37,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
-from vllm.v1.hisparse.layout import HiSparseKVCacheConfig
+from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.managers import (
     HiSparseHotManager,
     HiSparseResidentManager,

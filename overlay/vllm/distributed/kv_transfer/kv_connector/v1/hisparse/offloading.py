@@ -54,7 +54,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.hisparse.layout import HiSparseKVCacheConfig, HiSparseLayout
+from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
+from vllm.v1.hisparse.layout import HiSparseLayout
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 if TYPE_CHECKING:

@@ -34,6 +34,12 @@ recent record when it is issued, so two cases need care:
   event only once every reader has started the step after its last record
   (``ControlPage.wait_started``): a deliberate host wait of rank 0 that only
   a reader two steps behind can cause.
+
+NOTE: the guard relies on a reader's wait being issued before it publishes
+its started step, and on rank 0 reading that step before it records: plain
+stores and loads of the control page around the driver's event calls
+(ordered on x86-64; on weaker memory models the driver's record and wait
+are assumed to order like a release and an acquire).
 """
 
 from collections.abc import Callable

@@ -84,6 +84,12 @@ def engine_specs() -> dict[str, dict]:
         "off_share": dict(model="glm_share", mode="default", hisparse=None),
         "on_share": dict(model="glm_share", mode="default", hisparse=on(),
                          offload=offload, blocks=PRESSURE_BLOCKS),
+        # E2E-10, two GPUs: TP = 2 with one host pool shared by both ranks
+        # (rank 0 writes, rank 1 reads), against the TP = 2 baseline. Run
+        # only when named (--engines off_tp2,on_tp2).
+        "off_tp2": dict(model="glm", mode="default", hisparse=None, tp=2),
+        "on_tp2": dict(model="glm", mode="default", hisparse=on(), offload=offload,
+                       blocks=PRESSURE_BLOCKS, tp=2),
     }
 
 
@@ -100,12 +106,14 @@ PLAN = {
     "on_fdo": ["single", "concurrent"],
     "off_share": ["single", "host_prefix"],
     "on_share": ["single", "host_prefix"],
+    "off_tp2": ["single", "concurrent", "host_prefix"],
+    "on_tp2": ["single", "concurrent", "host_prefix"],
 }
 # Which reference each HiSparse engine is compared with (same model, mode).
 REFERENCE = {
     "on_default": "off_default", "on_lazy": "off_default", "on_hostex": "off_default",
     "on_nopressure": "off_default", "on_eager": "off_eager", "on_fdo": "off_fdo",
-    "on_share": "off_share",
+    "on_share": "off_share", "on_tp2": "off_tp2",
 }
 SPEC_IDS = {
     ("on_default", "single"): "E2E-1", ("on_default", "concurrent"): "E2E-2",
@@ -114,6 +122,8 @@ SPEC_IDS = {
     ("on_lazy", "single"): "E2E-6", ("on_nopressure", "single"): "E2E-8",
     ("on_hostex", "long_outputs"): "E2E-9", ("on_share", "single"): "E2E-1 (IndexShare)",
     ("on_share", "host_prefix"): "E2E-4 (IndexShare)",
+    ("on_tp2", "single"): "E2E-10", ("on_tp2", "concurrent"): "E2E-10",
+    ("on_tp2", "host_prefix"): "E2E-10,E2E-4",
 }
 
 
@@ -199,13 +209,29 @@ def worker_counters(worker) -> dict:
     if data_plane is not None:
         out["audit_rows_checked"] = data_plane.audit_rows_checked
         out["audit_mismatches"] = data_plane.audit_mismatches
+        events = data_plane.host_write
+        for name in ("exact_waits", "early_steps"):  # a shared pool's reader
+            if hasattr(events, name):
+                out[f"reader_{name}"] = getattr(events, name)
     return out
 
 
+def host_pool_role(worker) -> dict:
+    """This rank's host pool: shared or private, writer or reader (4.12)."""
+    from vllm.v1.hisparse.worker import current_worker
+
+    data_plane = current_worker()
+    if data_plane is None:
+        return {}
+    return {"shared": data_plane.sharing is not None, "writer": data_plane.writer}
+
+
 def counters(llm) -> dict:
+    """Scheduler counters plus the workers', summed over the TP ranks."""
     out = scheduler_counters(llm)
     for part in llm.collective_rpc(worker_counters):
-        out.update(part)
+        for k, v in part.items():
+            out[k] = out.get(k, 0) + v if isinstance(v, int) else v
     return out
 
 
@@ -242,6 +268,8 @@ def make_llm(spec: dict, model_dirs: dict):
     from vllm.config.hisparse import HiSparseConfig
 
     kw = dict(BASE, model=str(model_dirs[spec["model"]]), **MODES[spec["mode"]])
+    if spec.get("tp", 1) > 1:
+        kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec["hisparse"] is None:
         kw["kv_cache_memory_bytes"] = 2 << 30
     else:
@@ -333,7 +361,7 @@ def checks_for(engine: str, scenario: str, c: dict) -> dict[str, bool]:
     if c.get("audit_rows_checked") is not None:
         out["mirror_audit_rows"] = c.get("audit_rows_checked", 0) > 0
         out["mirror_audit_clean"] = c.get("audit_mismatches", 0) == 0
-    if scenario == "host_prefix" and engine in ("on_default", "on_share"):
+    if scenario == "host_prefix" and engine in ("on_default", "on_share", "on_tp2"):
         out["offloader_loaded_indexer"] = c.get("external_tokens", 0) > 0
     return out
 
@@ -377,7 +405,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--stage", default=os.environ.get("HISPARSE_STAGE", "/root/stage"))
-    ap.add_argument("--engines", default=",".join(engine_specs()))
+    ap.add_argument("--engines", default=",".join(
+        n for n, spec in engine_specs().items() if spec.get("tp", 1) == 1))
     ap.add_argument("--scenarios", default=None, help="limit to these scenarios")
     a = ap.parse_args()
     out_dir = Path(a.out)
@@ -428,6 +457,7 @@ def main() -> int:
         rec["defaults"] = resolved_defaults(llm)
         try:
             rec["reinit_params"] = llm.apply_model(reinit)[0]
+            rec["host_pool_roles"] = llm.collective_rpc(host_pool_role)
             instrument(llm)
         except Exception:
             rec["error"] = traceback.format_exc()[-6000:]
@@ -463,6 +493,11 @@ def main() -> int:
                             entry["first_divergence"] = [
                                 first_divergence(x, y) for x, y in zip(ref_toks, toks)]
                             entry["checks"] = checks_for(name, scenario, entry["counters"])
+                            if spec.get("tp", 1) > 1:
+                                entry["checks"]["one_shared_pool_one_writer"] = (
+                                    rec["host_pool_roles"] == [
+                                        {"shared": True, "writer": r == 0}
+                                        for r in range(spec["tp"])])
                             entry["pass"] = entry["identical"] and all(
                                 entry["checks"].values())
                             failures += not entry["pass"]

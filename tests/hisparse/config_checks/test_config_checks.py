@@ -388,3 +388,64 @@ def test_verify_refuses_routed_experts(sparse_model_dir, ram):
     vllm_config.model_config.enable_return_routed_experts = True
     with pytest.raises(HiSparseConfigError, match="--enable-return-routed-experts"):
         cc.verify_hisparse_config(vllm_config)
+
+
+# ------------------------------------------------------ shared host pool
+
+ELIGIBLE = dict(
+    tensor_parallel_size=2, pipeline_parallel_size=1,
+    prefill_context_parallel_size=1, decode_context_parallel_size=1,
+    world_size=2, executor_backend="mp", nodes_per_replica=1, is_cuda=True,
+)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({}, None),
+    ({"is_cuda": False}, "the platform is not CUDA"),
+    ({"tensor_parallel_size": 1, "world_size": 1}, "tensor_parallel_size=1"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
+    ({"world_size": 4}, "the world size 4 differs from tensor_parallel_size=2"),
+    ({"executor_backend": "ray"}, "distributed_executor_backend='ray' is not 'mp'"),
+    ({"nodes_per_replica": 2}, "a DP replica spans 2 nodes"),
+])
+def test_shared_host_pool_eligibility(change, reason):
+    """Spec 4.12 eligibility: CUDA, TP > 1, PP = PCP = DCP = 1, world size =
+    TP, the multiprocess executor, one node per DP replica."""
+    got = cc.shared_host_pool_ineligibility(**{**ELIGIBLE, **change})
+    assert got == reason if reason is None else got.startswith(reason)
+
+
+def test_shared_mode_decides_the_ram_check(tmp_path, ram, monkeypatch):
+    """4.12 + 6.3 #13: on an eligible TP=2 setup the pool is shared by
+    default and its pinned bytes count once per replica (a pool that fits
+    once starts); forced private, the two copies do not fit; forced shared
+    on an ineligible setup is refused, automatic falls back to private."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    model = write_sparse_mla_config(tmp_path, num_layers=2, num_attention_heads=64,
+                                    num_key_value_heads=64)  # 32 per rank at TP=2
+    vllm_config = vllm_config_for(model, {"host_pool_gib": 4})
+    pc = vllm_config.parallel_config
+    pc.tensor_parallel_size = pc.world_size = 2
+    pc.distributed_executor_backend = "mp"
+    ram(6)  # one 4 GiB pool fits in 95% of 6 GiB, two do not
+    assert cc.shared_host_pool(vllm_config)
+    cc.verify_hisparse_config(vllm_config)
+
+    vllm_config.attention_config.hisparse_config.shared_host_pool = False
+    assert not cc.shared_host_pool(vllm_config)
+    with pytest.raises(HiSparseConfigError, match="2 private pools, one per TP rank"):
+        cc.verify_hisparse_config(vllm_config)
+
+    pc.distributed_executor_backend = "ray"
+    vllm_config.attention_config.hisparse_config.shared_host_pool = None
+    assert not cc.shared_host_pool(vllm_config)
+    vllm_config.attention_config.hisparse_config.shared_host_pool = True
+    with pytest.raises(
+        HiSparseConfigError,
+        match=r"shared_host_pool=true needs CUDA, .* but "
+        r"distributed_executor_backend='ray' is not 'mp'; set shared_host_pool=false",
+    ):
+        cc.shared_host_pool(vllm_config)

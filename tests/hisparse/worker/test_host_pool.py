@@ -85,7 +85,8 @@ def test_one_pool_per_process(monkeypatch):
     """F19: the same plan gets the same pool, pinned once; another layout
     while one is pinned is refused."""
     rec = RecordingRegistrar()
-    monkeypatch.setattr(hp.HostRegistrar, "cuda", classmethod(lambda cls: rec.registrar()))
+    monkeypatch.setattr(hp.HostRegistrar, "cuda",
+                        classmethod(lambda cls, read_only=False: rec.registrar()))
     config = tiny_config()
     try:
         first = hp.acquire_host_pool(config.host_pool)

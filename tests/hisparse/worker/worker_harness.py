@@ -85,9 +85,11 @@ def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
                 num_gpu_blocks: int = 256, num_host_blocks: int = 64,
                 device_buffer_size: int | None = None,
                 registration_chunk_bytes: int | None = None,
-                staging_blocks: int = 0) -> HiSparseKVCacheConfig:
+                staging_blocks: int = 0,
+                shared: bool = False) -> HiSparseKVCacheConfig:
     """A per-worker HiSparse config of a tiny GLM-5-architecture model (real
-    MLA/indexer dims, fp8_ds_mla rows) from the real layout builder."""
+    MLA/indexer dims, fp8_ds_mla rows) from the real layout builder;
+    ``shared``: the TP-shared host pool's plan (spec 4.12)."""
     hf = {"num_hidden_layers": num_layers, "kv_lora_rank": 512,
           "qk_rope_head_dim": 64, "index_head_dim": 128,
           "index_topk": index_topk, "index_topk_freq": freq}
@@ -95,10 +97,10 @@ def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
     params = HiSparseParams(
         index_topk=index_topk, max_decode_query_len=1,
         device_buffer_size=device_buffer_size or 2 * index_topk,
-        admission_max_tokens=256, host_pool_bytes=0)
+        admission_max_tokens=256, host_pool_bytes=0, shared_host_pool=shared)
     layout = build_hisparse_layout(specs, params)
     params = dataclasses.replace(
-        params, host_pool_bytes=num_host_blocks * layout.host_block_stride(False))
+        params, host_pool_bytes=num_host_blocks * layout.host_block_stride(shared))
     if registration_chunk_bytes is not None:
         params = dataclasses.replace(
             params, registration_chunk_bytes=registration_chunk_bytes)

@@ -268,6 +268,7 @@ def bind_runtime(
         has_kv_transfer_group,
     )
     from vllm.v1.hisparse import kernels
+    from vllm.v1.hisparse.config_checks import resolve_host_pool_gib
     from vllm.v1.hisparse.host_pool import acquire_host_pool
     from vllm.v1.hisparse.index_groups import HiSparseLayerBinding
     from vllm.v1.hisparse.staging import StagingCache
@@ -284,7 +285,11 @@ def bind_runtime(
             "has not been verified with yet; see docs/worker.md."
         )
     slab = slab_of(kv_caches[layout.sparse_layers[0]])
-    host_pool = acquire_host_pool(kv_cache_config.host_pool)
+    # Shared mode (4.12): collective over the TP group, every rank binds here.
+    host_pool = acquire_host_pool(
+        kv_cache_config.host_pool,
+        host_pool_gib=resolve_host_pool_gib(runner.vllm_config),
+    )
     scheduler_config = runner.vllm_config.scheduler_config
     runtime = make_runtime(
         kv_cache_config,

@@ -515,15 +515,93 @@ def verify_hisparse_config(vllm_config: "VllmConfig") -> None:
     )
 
 
+def shared_host_pool_ineligibility(
+    *,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    prefill_context_parallel_size: int,
+    decode_context_parallel_size: int,
+    world_size: int,
+    executor_backend: str | None,
+    nodes_per_replica: int,
+    is_cuda: bool,
+) -> str | None:
+    """Why the TP ranks of a DP replica cannot share one host pool (spec
+    4.12 eligibility), or None when they can."""
+    if not is_cuda:
+        return "the platform is not CUDA"
+    if tensor_parallel_size == 1:
+        return "tensor_parallel_size=1 (one rank, nothing to share)"
+    for name, value in (
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("prefill_context_parallel_size", prefill_context_parallel_size),
+        ("decode_context_parallel_size", decode_context_parallel_size),
+    ):
+        if value != 1:
+            return f"{name}={value}"
+    if world_size != tensor_parallel_size:
+        return (
+            f"the world size {world_size} differs from "
+            f"tensor_parallel_size={tensor_parallel_size}"
+        )
+    if executor_backend != "mp":
+        return f"distributed_executor_backend={executor_backend!r} is not 'mp'"
+    if nodes_per_replica != 1:
+        return f"a DP replica spans {nodes_per_replica} nodes"
+    return None
+
+
+def _sharing_facts(vllm_config: "VllmConfig") -> dict:
+    from vllm.platforms import current_platform
+
+    pc = vllm_config.parallel_config
+    backend = pc.distributed_executor_backend
+    return dict(
+        tensor_parallel_size=pc.tensor_parallel_size,
+        pipeline_parallel_size=pc.pipeline_parallel_size,
+        prefill_context_parallel_size=pc.prefill_context_parallel_size,
+        decode_context_parallel_size=pc.decode_context_parallel_size,
+        world_size=pc.world_size,
+        executor_backend=backend
+        if isinstance(backend, str) or backend is None
+        else getattr(backend, "__name__", str(backend)),
+        nodes_per_replica=pc.nnodes_within_dp,
+        is_cuda=current_platform.is_cuda(),
+    )
+
+
 def shared_host_pool(vllm_config: "VllmConfig") -> bool:
     """Whether the TP ranks share one host pool (spec 4.12).
 
-    ``shared_host_pool=None`` means automatic: shared when TP > 1. The finer
-    eligibility rules (CUDA, multiprocess executor, one node per replica) are
-    enforced where the pool is created.
+    ``shared_host_pool=None`` (automatic) shares whenever the setup is
+    eligible; ``True`` refuses an ineligible setup; ``False`` keeps one
+    private pool per rank. The answer fixes the host block stride and the
+    RAM check (one pool per replica, not per rank), so the engine decides it
+    once and the workers read it from ``HostPoolPlan.shared``.
+
+    Raises:
+        HiSparseConfigError: ``shared_host_pool=true`` on an ineligible setup.
     """
     hisparse_config = vllm_config.attention_config.hisparse_config
     assert hisparse_config is not None
-    if hisparse_config.shared_host_pool is not None:
-        return hisparse_config.shared_host_pool
-    return vllm_config.parallel_config.tensor_parallel_size > 1
+    setting = hisparse_config.shared_host_pool
+    if setting is False:
+        return False
+    facts = _sharing_facts(vllm_config)
+    reason = shared_host_pool_ineligibility(**facts)
+    if reason is None:
+        return True
+    if setting:
+        tp = facts["tensor_parallel_size"]
+        raise HiSparseConfigError(
+            "hisparse_config.shared_host_pool=true needs CUDA, "
+            "tensor_parallel_size > 1, PP = PCP = DCP = 1, the 'mp' executor and "
+            f"one node per DP replica, but {reason}; set shared_host_pool=false "
+            f"(one private pool per TP rank: {tp}x the pinned memory) or omit it."
+        )
+    if facts["tensor_parallel_size"] > 1:
+        logger.info_once(
+            "HiSparse: one private host pool per TP rank, not one shared pool: %s.",
+            reason,
+        )
+    return False

@@ -35,6 +35,10 @@ ROW_ALIGN_BYTES = 16
 FP8_DS_MLA_ROW_BYTES = 656  # 512 B fp8 NoPE + 16 B scales + 128 B bf16 RoPE
 BF16_MLA_ROW_BYTES = 1152  # 576 bf16 elements (kv_lora_rank 512 + RoPE 64)
 
+# The TP rank that creates and alone writes a shared host pool (spec 4.12,
+# INV-28); the scheduler counts only its spill acks in shared mode.
+HOST_WRITER_RANK = 0
+
 # Virtual layer-name suffixes of the resident and hot groups (spec 3.1).
 RESIDENT_SUFFIX = ".hisparse_resident"
 HOT_SUFFIX = ".hisparse_hot"
@@ -51,6 +55,7 @@ __all__ = [
     "BF16_MLA_ROW_BYTES",
     "FP8_DS_MLA_ROW_BYTES",
     "HOST_RAM_LIMIT_FRACTION",
+    "HOST_WRITER_RANK",
     "HOT_SUFFIX",
     "INDEXER_CACHE_SUFFIX",
     "MAX_DEVICE_BUFFER_SIZE",

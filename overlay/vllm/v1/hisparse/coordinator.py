@@ -151,6 +151,8 @@ class HiSparseSchedulerStats:
     """Planned, then dropped before any worker saw them (R15)."""
     completions_ignored: int = 0
     """Completions reported for a submission before the planned step (F17)."""
+    reader_reports_ignored: int = 0
+    """Spill reports from a non-writer rank of a shared host pool (INV-28)."""
     pages_unpinned: int = 0
     pages_adopted: int = 0
 
@@ -179,8 +181,14 @@ class HiSparseCoordinator:
         max_model_len: int,
         cap_res_pages: int,
         hot_blocks_per_request: int,
+        host_writer_rank: int | None = None,
     ) -> None:
         self.gpu_pool = gpu_pool
+        # Shared host pool (4.12): only this rank's spill reports count
+        # (INV-28); None: private pools, every rank copies and reports.
+        self._spill_reporters = (
+            None if host_writer_rank is None else frozenset((host_writer_rank,))
+        )
         self.host_pool = host_pool
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -612,7 +620,8 @@ class HiSparseCoordinator:
         A spill's completion counts only if the workers submitted it after
         the forward of the step that carried it (F17, ``submitted_step``);
         an earlier submission proves nothing about the KV and is ignored.
-        Completions otherwise accumulate as rank sets (R1)."""
+        Completions otherwise accumulate as rank sets (R1). With a shared host
+        pool only the writer's spill reports count (R23)."""
         for dst in ack.cow_done:
             pair = self._cow_in_flight.pop(dst, None)
             if pair is not None:
@@ -620,7 +629,7 @@ class HiSparseCoordinator:
         for tid, ranks in ack.enqueued.items():
             spill = self.pending_spills.get(tid)
             if spill is not None:
-                spill.enqueued |= ranks
+                spill.enqueued |= self._reporting(spill, ranks)
         for tid, step in ack.submitted_step.items():
             spill = self.pending_spills.get(tid)
             if spill is not None:
@@ -641,7 +650,7 @@ class HiSparseCoordinator:
                     tid, spill.submitted_step, spill.planned_step,
                 )
                 continue
-            spill.completed |= ranks
+            spill.completed |= self._reporting(spill, ranks)
             if spill.enqueued and spill.completed >= spill.enqueued:
                 self._finish_spill(spill)
                 advanced[id(spill.state)] = spill.state
@@ -653,6 +662,20 @@ class HiSparseCoordinator:
                 self._publish(st)
             elif st.detached is not None and not st.pending:
                 self._publish_detached(st)
+
+    def _reporting(self, spill: Spill, ranks: frozenset[int]) -> frozenset[int]:
+        """The ranks whose report counts for ``spill``: every rank for a
+        restore (each fills its own resident block) or with private pools;
+        only the host writer for a spill into a shared pool (INV-28)."""
+        if self._spill_reporters is None or spill.restore:
+            return ranks
+        if not ranks <= self._spill_reporters:
+            self.stats.reader_reports_ignored += 1
+            logger.warning_once(
+                "HiSparse: a non-writer TP rank reported a spill of the shared "
+                "host pool; only TP rank 0's reports count (INV-28)."
+            )
+        return ranks & self._spill_reporters
 
     def _finish_spill(self, spill: Spill) -> None:
         del self.pending_spills[spill.transfer_id]

@@ -36,6 +36,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
 )
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
+from vllm.v1.hisparse.constants import HOST_WRITER_RANK
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.managers import (
@@ -162,6 +163,9 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             max_model_len=max_model_len,
             cap_res_pages=layout.cap_res_pages(max_model_len),
             hot_blocks_per_request=layout.hot_blocks * len(self.hot_group_ids),
+            host_writer_rank=HOST_WRITER_RANK
+            if kv_cache_config.host_pool.shared
+            else None,
         )
         gpu_pool.host_pool = self.host_pool
         gpu_pool.hisparse = self.hisparse

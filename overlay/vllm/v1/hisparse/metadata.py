@@ -9,7 +9,9 @@ step without a Python loop per request or per token; only residency updates
 name requests (their ids match batch rows).
 
 Worker -> scheduler, once per step, aggregated across ranks by vLLM:
-``HiSparseWorkerAck``.
+``HiSparseWorkerAck``. With a TP-shared host pool (spec 4.12) only TP rank 0
+reports spills and CoW; the other ranks report their restores alone, and the
+coordinator counts only rank 0's spill reports (docs/residency.md R23).
 
 NOTE (decisions, docs/worker.md): the scheduler sends no row-mirror envelopes
 and no "all context pages resident" flag. The worker mirrors exactly the rows

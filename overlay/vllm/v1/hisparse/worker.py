@@ -35,6 +35,11 @@ host pool:
 - **CoW** (4.12): host-to-host page copies on the CPU after synchronizing the
   previous host-write event (a deliberate host sync; v1 never triggers it,
   prefix hits are block-aligned).
+- **shared host pool** (4.12, INV-28): on the TP ranks other than rank 0
+  (``host_pool.sharing``) the worker is a reader: no mirrors, no spills, no
+  CoW (only its barrier), no audit, no spill acks; it restores and acks its
+  own restores, and its compute stream follows rank 0's host-write events
+  (``tp_shared``).
 """
 
 import os
@@ -47,6 +52,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.hisparse.runtime import HiSparseRuntime
+from vllm.v1.hisparse.tp_shared import HostSharing, ReaderHostWriteEvents, WriterLink
 
 logger = init_logger(__name__)
 
@@ -75,8 +81,19 @@ class StreamOps:
     def compute(self) -> Any:
         return torch.cuda.current_stream() if self.cuda else "compute"
 
-    def event(self, name: str = "event") -> Any:
-        return torch.cuda.Event() if self.cuda else _CpuEvent(name)
+    def event(self, name: str = "event", interprocess: bool = False) -> Any:
+        if not self.cuda:
+            return _CpuEvent(name)
+        return torch.cuda.Event(interprocess=interprocess)
+
+    def ipc_handle(self, event: Any) -> bytes:
+        """What another process opens ``event`` by (an interprocess event)."""
+        return event.ipc_handle() if self.cuda else event.name.encode()
+
+    def open_ipc_event(self, handle: bytes) -> Any:
+        if not self.cuda:
+            return _CpuEvent(handle.decode(), recorded=True)
+        return torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), handle)
 
     def record(self, event: Any, stream: Any) -> None:
         if self.cuda:
@@ -125,30 +142,49 @@ class _CpuStreamContext:
 
 
 class HostWriteEvents:
-    """Two alternating host-write events (spec 4.11, INV-27)."""
+    """Two alternating host-write events (spec 4.11, INV-27).
 
-    def __init__(self, streams: StreamOps) -> None:
+    On the writer of a shared pool (``link``) they are interprocess events
+    the readers open; each record waits out a reader two steps behind and is
+    stamped with its step (``tp_shared.WriterLink``)."""
+
+    def __init__(self, streams: StreamOps, link: WriterLink | None = None) -> None:
         self._streams = streams
-        self._events = [streams.event("host_write0"), streams.event("host_write1")]
+        self._link = link
+        shared = link is not None
+        self._events = [
+            streams.event(f"host_write{i}", interprocess=shared) for i in (0, 1)
+        ]
+        if link is not None and not link.publish(
+            lambda: [streams.ipc_handle(e) for e in self._events]
+        ):
+            self._events = [streams.event(f"host_write{i}") for i in (0, 1)]
         self._recorded = [False, False]
         self._cur = 0
+        self._step = 0
+        self._previous_step = 0
 
     @property
     def current(self) -> Any:
         return self._events[self._cur]
 
-    def rotate(self) -> None:
+    def rotate(self, step: int = 0) -> None:
         """At each step start: the previous step's event becomes ``prev`` and
         the compute stream waits on it."""
         prev = self._cur
         self._cur ^= 1
         self._recorded[self._cur] = False
+        self._previous_step, self._step = self._step, step
         if self._recorded[prev]:
             self._streams.wait(self._streams.compute(), self._events[prev])
 
     def record(self, stream: Any) -> None:
+        if self._link is not None:
+            self._link.before_record(self._previous_step)
         self._streams.record(self._events[self._cur], stream)
         self._recorded[self._cur] = True
+        if self._link is not None:
+            self._link.after_record(self._cur, self._step)
 
     def synchronize_previous(self) -> None:
         """Before a CPU write of host memory (CoW) or a CPU read of it (the
@@ -184,6 +220,7 @@ class MirrorPlan:
         slab_ptr: int,
         layer_order: Sequence[str],
         device: torch.device,
+        max_tokens: int | None = None,
     ) -> None:
         g = runtime.geometry
         self.runtime = runtime
@@ -210,7 +247,9 @@ class MirrorPlan:
         self._dst_base = torch.tensor(
             [lv.host_ptr for lv in views], dtype=torch.int64, device=device
         )
-        size = self.num_layers * g.max_num_tokens
+        # A reader of a shared pool builds no descriptors (max_tokens=0).
+        tokens = g.max_num_tokens if max_tokens is None else max_tokens
+        size = self.num_layers * tokens
         self.src = torch.zeros(size, dtype=torch.int64, device=device)
         self.dst = torch.zeros(size, dtype=torch.int64, device=device)
         self.nbytes = torch.zeros(size, dtype=torch.int64, device=device)
@@ -294,12 +333,17 @@ class HiSparseWorker:
         device = runtime.device
         self.streams = streams if streams is not None else StreamOps(device)
         self._page_copy = page_copy if page_copy is not None else _swap_blocks_batch
-        self.host_write = HostWriteEvents(self.streams)
+        self.sharing: HostSharing | None = getattr(host_pool, "sharing", None)
+        self.writer = self.sharing is None or self.sharing.writer
+        """Whether this rank writes host memory (INV-28: rank 0 when shared)."""
+        self.host_write = _host_write_events(self.streams, self.sharing)
         order = sorted(
             runtime.layers,
             key=lambda n: (runtime.layers[n].pair, runtime.layers[n].offset),
         )
-        self.mirror = MirrorPlan(runtime, slab.data_ptr(), order, device)
+        self.mirror = MirrorPlan(
+            runtime, slab.data_ptr(), order, device, None if self.writer else 0
+        )
         self._layer_range = {
             name: i
             for i, (lo, hi) in enumerate(self.mirror.pair_ranges)
@@ -347,8 +391,8 @@ class HiSparseWorker:
         if self._step is not None and self._step.has_forward:
             raise RuntimeError("HiSparse: a step started before the previous finished")
         self._retire(meta.retired_transfer_ids)
-        self.host_write.rotate()
-        if self._debug:
+        self.host_write.rotate(meta.step)
+        if self._debug and self.writer:
             self._run_audit()
         if meta.cow_src.size:
             self._copy_on_write(meta.cow_src, meta.cow_dst)
@@ -358,13 +402,14 @@ class HiSparseWorker:
         restore = meta.transfer_restore.astype(bool)
         if restore.any():
             self._restore(meta, np.nonzero(restore)[0])
-        spills = np.nonzero(~restore)[0]
+        # INV-28: a reader neither copies nor acks spills.
+        spills = np.nonzero(~restore)[0] if self.writer else np.zeros(0, np.int64)
         has_forward = attn_metadata is not None
         pure_decode = has_forward and attn_metadata.num_prefills == 0
         self._step = _StepState(
             meta=meta,
             has_forward=has_forward,
-            per_layer=has_forward and not pure_decode,
+            per_layer=has_forward and not pure_decode and self.writer,
             pending_spills=spills,
         )
         if not has_forward:
@@ -378,8 +423,10 @@ class HiSparseWorker:
             rt.plan_staging(int(attn_metadata.num_decodes))
         if decode_query_len(attn_metadata) > rt.geometry.max_decode_query_len:
             rt.plan_extends(int(attn_metadata.num_decodes))
-        first = 0 if self.eager_host_mirror else int(attn_metadata.num_decode_tokens)
-        self.mirror.build(first, rt.num_tokens)
+        if self.writer:
+            decode_tokens = int(attn_metadata.num_decode_tokens)
+            first = 0 if self.eager_host_mirror else decode_tokens
+            self.mirror.build(first, rt.num_tokens)
 
     # ------------------------------------------------------------ W2
 
@@ -424,7 +471,7 @@ class HiSparseWorker:
         else:
             self.host_write.record(self.streams.compute())
         rt.invalidate_written(rt.num_tokens)
-        if self._debug:
+        if self._debug and self.writer:
             self._remember_for_audit()
         rt.end_forward()
 
@@ -523,13 +570,19 @@ class HiSparseWorker:
     # -------------------------------------------------------------- CoW
 
     def _copy_on_write(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Host page copies inside the pool, every layer (4.12 step 5)."""
-        # Deliberate host sync: no CPU write may overlap a host write in flight.
-        self.host_write.synchronize_previous()
-        for name in self.mirror.layer_order:
-            pages = self.host_pool.layer_pages(name)
-            pages[dst] = pages[src]
-        self._cow_done.update(int(d) for d in dst)
+        """Host page copies inside the pool, every layer (4.12 step 5); in
+        shared mode by rank 0 alone, then a TP barrier before any rank reads
+        the destinations. Only the writer acks them."""
+        if self.writer:
+            # Deliberate host sync: no CPU write may overlap a host write in flight.
+            self.host_write.synchronize_previous()
+            for name in self.mirror.layer_order:
+                pages = self.host_pool.layer_pages(name)
+                pages[dst] = pages[src]
+            self._cow_done.update(int(d) for d in dst)
+        if self.sharing is not None:
+            # Deliberate host barrier (rare: v1's prefix hits are block-aligned).
+            self.sharing.rendezvous.barrier()
 
     # ------------------------------------------------------------- acks
 
@@ -612,6 +665,18 @@ class HiSparseWorker:
             _set_current(None)
         if self.host_pool is not None:
             self.host_pool.shutdown()
+
+
+def _host_write_events(
+    streams: StreamOps, sharing: HostSharing | None
+) -> "HostWriteEvents | ReaderHostWriteEvents":
+    """Private pool: own events. Shared: rank 0 publishes interprocess events,
+    the others open them (collective: every rank builds its worker)."""
+    if sharing is None:
+        return HostWriteEvents(streams)
+    if sharing.writer:
+        return HostWriteEvents(streams, WriterLink(sharing))
+    return ReaderHostWriteEvents(streams, sharing)
 
 
 def decode_query_len(attn_metadata: Any) -> int:

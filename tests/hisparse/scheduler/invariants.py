@@ -157,8 +157,9 @@ def check_drained(scheduler: Scheduler) -> None:
 
 def check_published(scheduler: Scheduler, worker) -> int:
     """INV-18 / R2: every host block in the prefix cache holds exactly the
-    KV of the tokens its hash names (nothing incomplete was published).
-    Returns how many published blocks were checked."""
+    KV of the tokens its hash names, in every resident group's host layers
+    (nothing incomplete, no draft junk, no other group's rows was
+    published). Returns how many published blocks were checked."""
     from tests.hisparse.scheduler.harness import B
 
     expected: dict = {}
@@ -174,7 +175,7 @@ def check_published(scheduler: Scheduler, worker) -> int:
         h = get_block_hash(blk.block_hash)
         assert h in expected, f"host block {blk.block_id} published for unknown tokens"
         rows = worker.host[blk.block_id * B:(blk.block_id + 1) * B]
-        assert np.array_equal(rows, expected[h]), (
+        assert np.array_equal(rows, worker.expected_host_rows(expected[h])), (
             f"INV-18: published host block {blk.block_id} is not the KV of its tokens")
         checked += 1
     return checked

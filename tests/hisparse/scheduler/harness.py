@@ -466,6 +466,24 @@ class _Received:
     hot_starts: dict[int, str]
     handed_out_unpinned: set[int]
     requests: dict[str, Request]
+    sent: dict[str, object]
+    """A copy of every metadata field as emitted: executing a step late
+    must see the same command (no buffer the scheduler reuses)."""
+
+
+def _copy_fields(meta: HiSparseStepMetadata) -> dict[str, object]:
+    out = {}
+    for f in dataclasses.fields(meta):
+        v = getattr(meta, f.name)
+        out[f.name] = v.copy() if isinstance(v, np.ndarray) else (
+            list(v) if isinstance(v, list) else v)
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
 
 
 class SimWorker:
@@ -536,6 +554,7 @@ class SimWorker:
         self.hot_misses = 0
         self.hot_invalidated = 0
         self.spills_verified = 0
+        self.in_flight_reuse_reads = 0
         # Transfer ids a test wants to keep in flight (per rank: all ranks).
         self.hold: set[int] = set()
         # Simulated workers of the other MultiConnector children, in order;
@@ -627,7 +646,8 @@ class SimWorker:
         handed_out, self._handed_out_unpinned = self._handed_out_unpinned, set()
         requests = {r: self.scheduler.requests[r] for r in so.num_scheduled_tokens}
         self._inbox.append(_Received(
-            so, meta, child_metas, tables, hot_starts, handed_out, requests))
+            so, meta, child_metas, tables, hot_starts, handed_out, requests,
+            _copy_fields(meta)))
 
     # ----------------------------------------------------------- W0
 
@@ -1121,6 +1141,22 @@ class SimWorker:
             self.enqueue_report[r] = keep
         return ack
 
+    def _count_in_flight_reuse(self, rx: _Received) -> None:
+        """A step executing late can read resident pages whose blocks the
+        scheduler has already handed to someone else in a step emitted since
+        (listed in that step's ``reused_block_ids``): the race window of F16
+        and 4.6. Count such reads; the forward checks they still see the old
+        bytes (the new owner writes in a later forward)."""
+        later: set[int] = set()
+        for other in self._inbox:
+            later.update(other.meta.reused_block_ids.tolist())
+        if not later:
+            return
+        for req_id in rx.so.num_scheduled_tokens:
+            table = self.tables[req_id]
+            for gid in self.res_gids:
+                self.in_flight_reuse_reads += len(later.intersection(table[gid]))
+
     def expected_host_rows(self, tags: np.ndarray) -> np.ndarray:
         """Host rows [n, G] holding the KV of ``tags`` in every group."""
         return tags[:, None] ^ self.res_salts[None, :]
@@ -1141,6 +1177,12 @@ class SimWorker:
         if meta.step != (self.last_meta.step + 1 if self.last_meta else 1):
             raise ProtocolError(f"step {meta.step} after {self.last_meta and self.last_meta.step}")
         self.last_meta = meta
+        changed = [k for k, v in _copy_fields(meta).items()
+                   if not _same(v, rx.sent[k])]
+        if changed:
+            raise ProtocolError(
+                f"step {meta.step}: metadata fields {changed} changed between "
+                "emission and execution (a buffer reused by the scheduler)")
         self._sync_tables(rx)
         self._check_tables(rx)
         self._hot_regions(rx)
@@ -1148,6 +1190,7 @@ class SimWorker:
         self._reused(rx)
         self._transfers(meta, rx.so.num_scheduled_tokens)
         self._copy_on_write(meta)
+        self._count_in_flight_reuse(rx)
         self._forward(rx)
         self._complete()
         ack = self._ack()

@@ -106,3 +106,26 @@ def test_host_admission_reserves_one_block_past_the_prompt(build, spare):
     assert len(r.all_token_ids) == pages * 64 + 60
     drain(s, w)
     check_drained(s)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known overlay bug, being fixed on main: HiSparseResidentManager."
+    "get_num_blocks_to_allocate caps before subtracting the computed prefix, "
+    "max(min(pages, cap_res) - computed, 0), instead of min(pages - computed, "
+    "cap_res); after a host prefix hit of at least cap_res pages a request's "
+    "resident admission cost is 0. Remove this marker with the fix."))
+@pytest.mark.parametrize("hit", [2, 8])
+def test_resident_admission_cost_after_a_host_prefix_hit(build, hit):
+    """Spec 2.4 (resident admission cost, cap_res), 4.15 item 1, F7: a new
+    request of 20 pages with a host prefix hit of ``hit`` pages (null
+    resident entries) needs resident blocks for its remaining pages, capped
+    at cap_res: min(20 - hit, cap_res) per resident group, for every hit
+    length. (Survivor M03 of mutations/results.json.)"""
+    s, w = build(admission_max_tokens=256)
+    cap = hs(s).cap_res_pages
+    assert cap == 6
+    mgr = coord(s).single_type_managers[coord(s).resident_group_ids[0]]
+    null = coord(s).block_pool.null_block
+    cost = mgr.get_num_blocks_to_allocate(
+        "x", 20 * 64, [null] * hit, hit * 64, hit * 64, 20 * 64, apply_admission_cap=True)
+    assert cost == min(20 - hit, cap)

@@ -173,7 +173,8 @@ def main() -> int:
         report["survivors"] = [r["id"] for r in merged if r["status"] == "survived"]
         report["survivors_not_marked_equivalent"] = [
             r["id"] for r in merged if r["status"] == "survived" and "equivalent" not in r]
-        report["command"] = old.get("command", report["command"]) + " (+ " + " ".join(args.ids) + ")"
+        report["command"] = (
+            old.get("command", report["command"]) + " (+ " + " ".join(args.ids) + ")")
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(summary), f"-> {args.out}")
     return 0

@@ -53,6 +53,13 @@ def expected_refs(scheduler: Scheduler) -> tuple[Counter, Counter]:
     for src, dst in [*hs._cow_pairs, *hs._cow_in_flight.values()]:
         host[src.block_id] += 1
         host[dst.block_id] += 1
+    # Frees the scheduler defers while a step that may write the blocks is
+    # in flight (async scheduling / batch queue with a kv_both connector:
+    # ``pop_blocks_for_free``); GPU blocks only (R7).
+    for _, blocks in getattr(scheduler, "deferred_frees", ()):
+        for blk in blocks:
+            if not blk.is_null:
+                gpu[blk.block_id] += 1
     return gpu, host
 
 
@@ -148,6 +155,7 @@ def check_drained(scheduler: Scheduler) -> None:
     coord = _coord(scheduler)
     hs = coord.hisparse
     assert not hs.pending_spills and not hs.states and not hs.owners
+    assert not getattr(scheduler, "deferred_frees", ()), "deferred frees never returned"
     gpu, host = coord.block_pool, coord.host_pool
     assert gpu.get_num_free_blocks() == gpu.num_gpu_blocks - 1, "GPU blocks leaked"
     assert host.get_num_free_blocks() == host.num_gpu_blocks - 1, "host blocks leaked"
@@ -157,8 +165,9 @@ def check_drained(scheduler: Scheduler) -> None:
 
 def check_published(scheduler: Scheduler, worker) -> int:
     """INV-18 / R2: every host block in the prefix cache holds exactly the
-    KV of the tokens its hash names (nothing incomplete was published).
-    Returns how many published blocks were checked."""
+    KV of the tokens its hash names, in every resident group's host layers
+    (nothing incomplete, no draft junk, no other group's rows was
+    published). Returns how many published blocks were checked."""
     from tests.hisparse.scheduler.harness import B
 
     expected: dict = {}
@@ -174,7 +183,7 @@ def check_published(scheduler: Scheduler, worker) -> int:
         h = get_block_hash(blk.block_hash)
         assert h in expected, f"host block {blk.block_id} published for unknown tokens"
         rows = worker.host[blk.block_id * B:(blk.block_id + 1) * B]
-        assert np.array_equal(rows, expected[h]), (
+        assert np.array_equal(rows, worker.expected_host_rows(expected[h])), (
             f"INV-18: published host block {blk.block_id} is not the KV of its tokens")
         checked += 1
     return checked

@@ -87,7 +87,8 @@ def test_random_pressure_keeps_every_invariant(build, seed):
     elapsed = time.monotonic() - t0
     print(f"seed={seed}: {steps} steps in {elapsed:.1f}s, {counter[0]} requests, "
           f"{full} steps at full pressure, {hs.stats}, {published} published "
-          f"blocks checked, {w.reads_checked} page reads checked")
+          f"blocks checked, {w.reads_checked} page reads checked, hot buffer "
+          f"{w.hot_hits} hits / {w.hot_misses} misses")
     # The run really was under pressure and exercised every path.
     assert full > steps // 3
     assert hs.stats.lost_pages > 0 and hs.stats.pages_adopted > 0

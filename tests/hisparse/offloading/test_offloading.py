@@ -143,9 +143,10 @@ def test_multi_turn_loads_indexer_prefix_and_starts_zero_resident(
     """Spec 4.14's multi-turn case: A's indexer blocks were evicted from the
     GPU pool while its host blocks stay cached. B = A's prompt + a suffix
     gets its indexer prefix loaded by the offloader (external tokens = the
-    host prefix), is admitted zero-resident (hot region from admission,
-    null resident entries, cached host blocks) and reads every sparse-MLA
-    row of that prefix from host; the offloader's load stats grow."""
+    host prefix), is admitted zero-resident (null resident entries, cached
+    host blocks; its hot region once the async load has ended, INV-5 /
+    docs/residency.md R24) and reads every sparse-MLA row of that prefix from
+    host; the offloader's load stats grow."""
     r = rig(max_num_seqs=2, spec_name=spec_name, copy_delay=copy_delay)
     base = prompt(640, 3)
     a = run_turn_then_flood(r, base)
@@ -173,10 +174,12 @@ def test_multi_turn_loads_indexer_prefix_and_starts_zero_resident(
         resident = table(r, gid, "b")
         assert len(resident) == pages and all(blk.is_null for blk in resident)
     for gid in layout.hot_group_ids:
-        assert len(table(r, gid, "b")) == layout.hot_blocks, "hot from admission"
+        assert table(r, gid, "b") == [], "no state slot while loading"
 
     reads = r.worker.reads_checked
     so = step_until_scheduled(r, "b")
+    for gid in layout.hot_group_ids:
+        assert len(table(r, gid, "b")) == layout.hot_blocks, "hot from its first pass"
     new = next(req for req in so.scheduled_new_reqs if req.req_id == "b")
     assert new.num_computed_tokens == 640 and so.num_scheduled_tokens["b"] == 100
     for gid in layout.resident_group_ids:  # still zero-resident: nothing adopted

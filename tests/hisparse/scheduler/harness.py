@@ -582,12 +582,10 @@ class SimWorker:
             [HotLRU(self.hot_rows) for _ in self.res_gids] for _ in range(self.num_slots)
         ]
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
-        self.strict_slots: bool | None = None
-        """More live hot regions than max_num_seqs: the real worker raises.
-        None (default): raise unless composed with an offloader (whose async
-        indexer loads keep regions of requests WAITING_FOR_REMOTE_KVS, a
-        known overlay bug: test_hot_slots.py), where the double records it
-        in ``slot_overflows`` and goes on with an extra slot."""
+        self.strict_slots = True
+        """More live hot regions than max_num_seqs: the real worker raises,
+        and so does the double. False: record it in ``slot_overflows`` and go
+        on with an extra slot (a test that states the failure itself)."""
         self.slot_overflows = 0
         self.slot_of_region: dict[int, int] = {}
         self._topk_u: dict[str, np.ndarray] = {}
@@ -757,9 +755,7 @@ class SimWorker:
             self.regions_allocated += 1
             if not self._free_slots:
                 self.slot_overflows += 1
-                strict = (not self.children) if self.strict_slots is None \
-                    else self.strict_slots
-                if strict:
+                if self.strict_slots:
                     raise ProtocolError(
                         f"step {self.step_no}: more than max_num_seqs="
                         f"{self.num_slots} hot regions live (the real worker's "

@@ -108,12 +108,6 @@ def test_host_admission_reserves_one_block_past_the_prompt(build, spare):
     check_drained(s)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known overlay bug, being fixed on main: HiSparseResidentManager."
-    "get_num_blocks_to_allocate caps before subtracting the computed prefix, "
-    "max(min(pages, cap_res) - computed, 0), instead of min(pages - computed, "
-    "cap_res); after a host prefix hit of at least cap_res pages a request's "
-    "resident admission cost is 0. Remove this marker with the fix."))
 @pytest.mark.parametrize("hit", [2, 8])
 def test_resident_admission_cost_after_a_host_prefix_hit(build, hit):
     """Spec 2.4 (resident admission cost, cap_res), 4.15 item 1, F7: a new

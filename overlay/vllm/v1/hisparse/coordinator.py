@@ -95,6 +95,10 @@ class RequestResidency:
     hot_ready: bool = False
     """The hot region is complete (cached: it never shrinks while live)."""
     detached: "DetachedPublication | None" = None
+    loading: bool = False
+    """Admitted to load its external (offloaded indexer) KV asynchronously:
+    it runs no forward until the load ends, so it gets no hot region yet
+    (a region is a worker state slot, and only max_num_seqs exist)."""
     settled_pages: int = -1
     """Full pages at the last full pass, when nothing else is due; -1 makes
     the next scheduling pass run the full residency step."""
@@ -327,10 +331,25 @@ class HiSparseCoordinator:
         destination in ``cow_done``."""
         self._cow_pairs.append((source, destination))
 
-    def expect_external(self, request: Request) -> None:
+    def expect_external(self, request: Request, load_async: bool = False) -> None:
         """An offloader will load this request's indexer KV beyond its local
-        hit; the source manager then needs the request's block hashes."""
-        self._state(request.request_id).request = request
+        hit; the source manager then needs the request's block hashes. An
+        asynchronous load defers the hot region to the request's first
+        scheduling pass after the load (``is_loading``)."""
+        st = self._state(request.request_id)
+        st.request = request
+        st.loading = load_async
+
+    def no_external(self, request_id: str) -> None:
+        """This scheduling attempt loads nothing (a previous one may have
+        expected an asynchronous load)."""
+        st = self.states.get(request_id)
+        if st is not None:
+            st.loading = False
+
+    def is_loading(self, request_id: str) -> bool:
+        st = self.states.get(request_id)
+        return st is not None and st.loading
 
     def external_block_hashes(self, request_id: str, first: int, last: int) -> list:
         st = self.states.get(request_id)
@@ -387,6 +406,9 @@ class HiSparseCoordinator:
         R_re needs no extra margin)."""
         st = self._state(request.request_id)
         st.request = request
+        # The first pass of an async-loaded request runs when its load ends
+        # (the pin caches its blocks then): its region comes next (R24).
+        st.loading = False
         tables = self._tables(request.request_id)
         if not tables[0]:
             return

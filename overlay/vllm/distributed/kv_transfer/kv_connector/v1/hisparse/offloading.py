@@ -214,13 +214,19 @@ class HiSparseOffloadingConnector(OffloadingConnector):
         num_tokens, load_async = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
+        if num_tokens:
+            num_tokens = min(
+                num_tokens, self._external_end(request) - num_computed_tokens
+            )
+            if num_tokens <= 0:
+                num_tokens, load_async = 0, False
         if not num_tokens:
-            return num_tokens, load_async  # None: lookup pending; 0: no hit
-        num_tokens = min(num_tokens, self._external_end(request) - num_computed_tokens)
-        if num_tokens <= 0:
-            return 0, False
-        # The source manager takes the cached host blocks of these pages.
-        self.hisparse.expect_external(request)
+            # None: lookup pending; 0: no hit (forget an earlier attempt's).
+            self.hisparse.no_external(request.request_id)
+            return num_tokens, load_async
+        # The source manager takes the cached host blocks of these pages; an
+        # async load defers the hot region until the load ends.
+        self.hisparse.expect_external(request, load_async=load_async)
         return num_tokens, load_async
 
     def _external_end(self, request: "Request") -> int:

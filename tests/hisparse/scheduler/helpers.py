@@ -3,7 +3,7 @@
 
 import random
 
-from tests.hisparse.scheduler.harness import run_step
+from tests.hisparse.scheduler.harness import make_request, run_step
 from tests.hisparse.scheduler.invariants import check_invariants
 
 
@@ -11,6 +11,16 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     """``n`` seeded token ids (the same prompt for the same seed)."""
     rng = random.Random(seed)
     return [rng.randint(1, 900) for _ in range(n)]
+
+
+def add_conversations(s, rng, n: int = 10) -> None:
+    """``n`` requests sharing a 200-token prefix (host hits, adoption), of
+    random suffix and output lengths."""
+    shared = [rng.randint(1, 900) for _ in range(200)]
+    for i in range(n):
+        s.add_request(make_request(
+            f"r{i}", shared + [rng.randint(1, 900) for _ in range(rng.randint(50, 600))],
+            rng.randint(5, 80)))
 
 
 def coord(s):

@@ -7,7 +7,8 @@ simulated worker on every read, every other invariant after every step."""
 
 import random
 
-from tests.hisparse.scheduler.harness import AsyncDriver, Faults, abort, make_request
+from tests.hisparse.scheduler.harness import AsyncDriver, Faults, abort
+from tests.hisparse.scheduler.helpers import add_conversations
 from tests.hisparse.scheduler.invariants import (
     check_drained,
     check_invariants,
@@ -31,11 +32,7 @@ def test_async_scheduling_under_pressure(build):
 
     coordinator.pop_blocks_for_free = observed_pop
     driver = AsyncDriver(s, w)
-    shared = [rng.randint(1, 900) for _ in range(200)]
-    for i in range(10):
-        s.add_request(make_request(
-            f"r{i}", shared + [rng.randint(1, 900) for _ in range(rng.randint(50, 600))],
-            rng.randint(5, 80)))
+    add_conversations(s, rng)
     steps = 0
     while driver.busy():
         driver.step()

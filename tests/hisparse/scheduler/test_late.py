@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from tests.hisparse.scheduler.harness import Faults, LateDriver, abort, make_request
-from tests.hisparse.scheduler.helpers import hs
+from tests.hisparse.scheduler.harness import Faults, LateDriver, abort
+from tests.hisparse.scheduler.helpers import add_conversations, hs
 from tests.hisparse.scheduler.invariants import (
     check_drained,
     check_invariants,
@@ -36,11 +36,7 @@ def run_late(s, w, lag, rng, abort_at=30):
         return update(so, out)
 
     s.update_from_output = checked
-    shared = [rng.randint(1, 900) for _ in range(200)]
-    for i in range(10):
-        s.add_request(make_request(
-            f"r{i}", shared + [rng.randint(1, 900) for _ in range(rng.randint(50, 600))],
-            rng.randint(5, 80)))
+    add_conversations(s, rng)
     steps = 0
     while driver.busy():
         driver.step()

@@ -280,8 +280,9 @@ class HiSparseHotManager(HiSparseLockstepManager):
         self.region_blocks = region_blocks
 
     def _wants_region(self, request_id: str, total_computed_tokens: int) -> bool:
-        if self.hisparse.is_loading(request_id):
-            return False  # no forward (no state slot) until the load ends
+        # Counted at admission even while an async load defers the region
+        # itself (num_new_blocks): spec 4.15 admits a zero-resident request
+        # only with room for its region.
         if self.hisparse.is_hot_required(request_id):
             return True
         # A new request with computed history starts zero-resident (1.3):
@@ -325,9 +326,9 @@ class HiSparseHotManager(HiSparseLockstepManager):
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks the coordinator's lockstep allocation adds for this group:
         the rest of the region, once the request is hot-required."""
-        if self.hisparse.is_loading(request_id) or not self.hisparse.is_hot_required(
-            request_id
-        ):
+        if self.hisparse.is_loading(request_id):
+            return 0  # no forward, so no state slot, until the load ends (R24)
+        if not self.hisparse.is_hot_required(request_id):
             return 0
         return max(self.region_blocks - len(self.req_to_blocks.get(request_id, ())), 0)
 

@@ -3,7 +3,7 @@
 
 import random
 
-from tests.hisparse.scheduler.harness import make_request, run_step
+from tests.hisparse.scheduler.harness import abort, make_request, run_step
 from tests.hisparse.scheduler.invariants import check_invariants
 
 
@@ -21,6 +21,20 @@ def add_conversations(s, rng, n: int = 10) -> None:
         s.add_request(make_request(
             f"r{i}", shared + [rng.randint(1, 900) for _ in range(rng.randint(50, 600))],
             rng.randint(5, 80)))
+
+
+def drive(s, driver, abort_at: int, max_steps: int = 5000) -> int:
+    """Step ``driver`` until it is idle, checking every invariant after each
+    step; abort request r3 at step ``abort_at``."""
+    steps = 0
+    while driver.busy():
+        driver.step()
+        check_invariants(s)
+        steps += 1
+        if steps == abort_at:
+            abort(s, ["r3"])
+        assert steps < max_steps
+    return steps
 
 
 def coord(s):

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from tests.hisparse.scheduler.harness import Faults, LateDriver, abort
-from tests.hisparse.scheduler.helpers import add_conversations, hs
+from tests.hisparse.scheduler.harness import Faults, LateDriver
+from tests.hisparse.scheduler.helpers import add_conversations, drive, hs
 from tests.hisparse.scheduler.invariants import (
     check_drained,
     check_invariants,
@@ -37,14 +37,7 @@ def run_late(s, w, lag, rng, abort_at=30):
 
     s.update_from_output = checked
     add_conversations(s, rng)
-    steps = 0
-    while driver.busy():
-        driver.step()
-        check_invariants(s)
-        steps += 1
-        if steps == abort_at:
-            abort(s, ["r3"])
-        assert steps < 5000
+    drive(s, driver, abort_at)
     driver.flush()
     check_invariants(s)
     return driver, order

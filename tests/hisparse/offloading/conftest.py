@@ -126,7 +126,9 @@ def rig(tmp_path):
         **scheduler_kwargs,
     ) -> Rig:
         config = hisparse_kv_cache_config(
-            num_gpu_blocks=num_gpu_blocks, num_host_blocks=num_host_blocks
+            num_gpu_blocks=num_gpu_blocks, num_host_blocks=num_host_blocks,
+            max_model_len=scheduler_kwargs.get("max_model_len", 4096),
+            max_num_batched_tokens=scheduler_kwargs.get("max_num_batched_tokens", 256),
         )
         cpu_bytes = num_cpu_blocks * config.layout.bytes_per_block
         scheduler = make_scheduler(

@@ -33,6 +33,8 @@ def build(tmp_path):
             freq=freq,
             admission_max_tokens=admission_max_tokens,
             device_buffer_size=device_buffer_size,
+            max_model_len=scheduler_kwargs.get("max_model_len", 4096),
+            max_num_batched_tokens=scheduler_kwargs.get("max_num_batched_tokens", 256),
         )
         scheduler = make_scheduler(tmp_path, config, **scheduler_kwargs)
         return scheduler, SimWorker(scheduler, ranks=ranks, faults=faults, seed=seed)

@@ -89,6 +89,7 @@ from vllm.v1.hisparse.host_pool_plan import plan_host_pool
 from vllm.v1.hisparse.kv_cache_config import (
     HiSparseKVCacheConfig,
     build_hisparse_kv_cache_config,
+    staging_capacity,
 )
 from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
@@ -150,9 +151,15 @@ def hisparse_kv_cache_config(
     freq: int = 1,
     device_buffer_size: int | None = None,
     admission_max_tokens: int = 256,
+    max_model_len: int = 4096,
+    max_num_batched_tokens: int = 256,
+    decode_kernel_tokens: int = 256,
 ) -> HiSparseKVCacheConfig:
     """The scheduler's view of a HiSparse KV-cache config, built by the
-    real layout builder (spec C1) at a chosen pool size."""
+    real layout builder (spec C1) at a chosen pool size, with the in-slab
+    staging blocks production sizes for ``max_model_len`` and
+    ``max_num_batched_tokens`` and FlashMLA sparse's decode-kernel
+    threshold at 64 heads (docs/worker.md K13)."""
     specs = tiny_glm_specs(num_layers, index_topk, freq)
     params = HiSparseParams(
         index_topk=index_topk,
@@ -166,7 +173,9 @@ def hisparse_kv_cache_config(
         params, host_pool_bytes=num_host_blocks * layout.host_block_stride(False)
     )
     worker = build_hisparse_kv_cache_config(
-        layout, num_gpu_blocks, plan_host_pool(layout, params)
+        layout, num_gpu_blocks, plan_host_pool(layout, params),
+        staging_capacity(B, max_model_len, max_num_batched_tokens),
+        decode_kernel_tokens,
     )
     config = generate_scheduler_kv_cache_config([worker])
     assert isinstance(config, HiSparseKVCacheConfig)
@@ -554,6 +563,7 @@ class SimWorker:
         self.hot_invalidated = 0
         self.spills_verified = 0
         self.in_flight_reuse_reads = 0
+        self.max_staged_pages = 0
         # Transfer ids a test wants to keep in flight (per rank: all ranks).
         self.hold: set[int] = set()
         # Simulated workers of the other MultiConnector children, in order;
@@ -731,6 +741,12 @@ class SimWorker:
         meta, so, starts = rx.meta, rx.so, rx.hot_starts
         hot0 = self.hot_gids[0]
         allocated = meta.hot_regions_allocated.tolist()
+        if meta.hot_region_requests != [starts.get(b) for b in allocated]:
+            raise ProtocolError(
+                f"step {self.step_no}: regions {allocated} announced for requests "
+                f"{meta.hot_region_requests}, held by "
+                f"{[starts.get(b) for b in allocated]} (F22: the worker finds a "
+                "row's slot by its request)")
         for b in meta.hot_regions_freed.tolist():
             if b not in self.regions:
                 raise ProtocolError(
@@ -881,6 +897,7 @@ class SimWorker:
             pos = np.arange(c, c + n)
             written.append(self._write(req_id, pos, seq[c:c + n], "writes"))
             batch.append((req_id, c, n, seq))
+        self._check_staging(batch)
         if self.check_reads:
             for req_id, c, n, seq in batch:
                 self._attend(req_id, seq, c + n)
@@ -889,6 +906,26 @@ class SimWorker:
         # W4/W5: the drafter writes the lookahead rows, mirrored after it.
         if self.num_lookahead_tokens:
             self._mirror([w for w in (self._draft(rx, *b) for b in batch) if w])
+
+    def _check_staging(self, batch) -> None:
+        """K13 / spec 2.11: chunks FlashMLA sparse runs on its decode kernel
+        (query in (max_decode_query_len, reorder threshold]) stage their
+        host-only context pages in the slab's staging blocks; more pages in
+        one forward than there are staging blocks and the real worker
+        raises (F21). Counted from the worker's own tables."""
+        config = self.coord.kv_cache_config
+        lo = self.coord.layout.max_decode_query_len
+        staged = 0
+        for req_id, c, n, _ in batch:
+            if lo < n <= config.decode_kernel_tokens:
+                table = self.tables[req_id][self.res_gids[0]]
+                staged += sum(b == 0 for b in table[:-(-(c + n) // B)])
+        self.max_staged_pages = max(self.max_staged_pages, staged)
+        if staged > config.staging_blocks:
+            raise ProtocolError(
+                f"step {self.step_no}: {staged} host-backed pages of short prefill "
+                f"chunks exceed the {config.staging_blocks} in-slab staging blocks "
+                "(the real worker raises in plan_extends: F21)")
 
     def _draft(self, rx: _Received, req_id: str, c: int, n: int, seq):
         """The MTP/EAGLE drafter of a request that sampled this step writes

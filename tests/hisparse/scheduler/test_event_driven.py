@@ -136,7 +136,9 @@ def test_the_watermark_turns_every_running_request_hot_in_one_step(build):
     free GPU blocks stay at or above the watermark, requests below the
     admission window stay fully resident; the first step that ends below it
     makes every running request hot-required at once, and their regions
-    are allocated on the next pass."""
+    are allocated on the next pass. R27: except those whose region costs
+    more blocks than their pages beyond the tail could ever free (the
+    small ones: 3 pages, 1 beyond the tail, 4 blocks < an 8-block region)."""
     s, w = build(num_gpu_blocks=400, admission_max_tokens=512,
                  max_num_batched_tokens=512, max_num_seqs=16)
     h = hs(s)
@@ -162,10 +164,16 @@ def test_the_watermark_turns_every_running_request_hot_in_one_step(build):
     step(s, w)
     running = [r.request_id for r in s.running]
     assert len(running) >= 8
-    assert all(h.is_hot_required(r) for r in running)
+    region = h.hot_blocks_per_request
+    assert region == 8
+    worth = {r for r in running
+             if (len(h._tables(r)[0]) - 2) * len(h.residents) > region}
+    assert {r for r in running if r.startswith("fill")} <= worth
+    assert not any(r.startswith("small") for r in worth)
+    assert all(h.is_hot_required(r) == (r in worth) for r in running)
     # Their regions come on the next pass; their unpinned pages count as
     # free again, so later arrivals are admitted fully resident.
     step(s, w)
-    assert all(h.can_read_from_host(r) for r in running)
+    assert all(h.can_read_from_host(r) == (r in worth) for r in running)
     drain(s, w)
     check_drained(s)

@@ -288,17 +288,18 @@ def test_a_region_released_before_any_worker_saw_it_is_not_reported(build):
     s, w = build()
     h = hs(s)
     blk = coord(s).block_pool.blocks[7]
-    h.note_hot_region_allocated(blk)
+    h.note_hot_region_allocated("r", blk)
     h.note_hot_region_freed(blk)
     so = s.schedule()
     meta = so.kv_connector_metadata
     assert meta.hot_regions_allocated.tolist() == []
     assert meta.hot_regions_freed.tolist() == []
-    h.note_hot_region_allocated(blk)
+    h.note_hot_region_allocated("r", blk)
     meta = h.build_step_metadata(so)
     assert meta.hot_regions_allocated.tolist() == [7]
+    assert meta.hot_region_requests == ["r"]  # F22: slots are found by request
     h.note_hot_region_freed(blk)
-    h.note_hot_region_allocated(blk)
+    h.note_hot_region_allocated("r", blk)
     meta = h.build_step_metadata(so)
     assert meta.hot_regions_freed.tolist() == [7]
     assert meta.hot_regions_allocated.tolist() == [7]

@@ -69,7 +69,8 @@ class Rig:
 
     def meta(self, **fields) -> HiSparseStepMetadata:
         self.step += 1
-        arrays = {k: np.asarray(v) for k, v in fields.items()}
+        arrays = {k: v if k == "hot_region_requests" else np.asarray(v)
+                  for k, v in fields.items()}
         return HiSparseStepMetadata(step=self.step, **arrays)
 
     def spill(self, tid: int, host_block: int, resident_block: int,
@@ -352,7 +353,7 @@ def test_request_state_follows_hot_regions_and_padding_is_minus_one():
         group.lru.fill_(7)
     rig.batch.schedule(computed=[5, 5], scheduled=[1, 1])
     md = attn_metadata(rig.batch, 2, 2)
-    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20])), md)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
     slot = rt.slots.of_region[20]
     assert rt.req_state[:3].tolist() == [slot, rt.resident_only_slot, -1]
     assert rt.row_req[:4].tolist() == [0, 1, -1, -1]
@@ -362,7 +363,7 @@ def test_request_state_follows_hot_regions_and_padding_is_minus_one():
     rig.worker.finish_forward()
     assert torch.all(rt.req_state == -1) and torch.all(rt.row_req == -1)
     rig.worker.start_step(rig.meta(hot_regions_freed=np.array([20])), md)
-    assert rt.slots.num_live == 0 and int(rt.region_slot[20]) == -1
+    assert rt.slots.num_live == 0 and not rt.slots.of_request
     rig.worker.finish_forward()
 
 
@@ -382,7 +383,7 @@ def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
     fill_slab(rig)
     rig.batch.schedule(computed=[100], scheduled=[1])
     md = attn_metadata(rig.batch, 1, 1)
-    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20])), md)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
     topk = torch.full((1, 64), -1, dtype=torch.int32)
     topk[0, :4] = torch.tensor([2, 70, 9, 100], dtype=torch.int32)
     leader, follower = layers[1], layers[2]
@@ -474,7 +475,7 @@ def test_reallocated_host_blocks_and_rewritten_rows_drop_hot_entries():
     rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
     rig.batch.schedule(computed=[70], scheduled=[1])
     md = attn_metadata(rig.batch, 1, 1)
-    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20])), md)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
     slot = rt.slots.of_region[20]
     written_g = 6 * B + 70 - B
     for group in rt.groups:

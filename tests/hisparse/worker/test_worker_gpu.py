@@ -83,7 +83,7 @@ def test_decode_rows_match_the_cpu_reference(kernels):
         rig.batch.commit() if isinstance(rig, CudaRig) else None
         dev = "cuda" if isinstance(rig, CudaRig) else "cpu"
         md = attn_metadata(rig.batch, 1, 1, device=dev)
-        rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20])), md)
+        rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
         topk = torch.full((1, 64), -1, dtype=torch.int32, device=dev)
         topk[0, :5] = torch.tensor([2, 70, 9, 100, 33], dtype=torch.int32)
         out = []

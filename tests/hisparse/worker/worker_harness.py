@@ -8,10 +8,10 @@ reference kernels of ``vllm.v1.hisparse.reference`` (the kernels' oracles,
 spec 5.6) and the CPU stand-in of the data plane's streams, which runs every
 copy in program order and records each wait/record for order checks.
 
-``Batch`` stands in for the runner's persistent batch: per-group block
-tables (a torch tensor and a numpy view of the same memory, as the runner's
-``CpuGpuBuffer``) and slot mappings computed the way the runner's kernel
-does (slot = table[row, pos // B] * B + pos % B, -1 past the real tokens).
+``Batch`` stands in for the runner's persistent batch: vLLM's own per-group
+``BlockTable`` driven with ``InputBatch``'s row semantics, request ids per
+row, and slot mappings computed the way the runner's kernel does (slot =
+table[row, pos // B] * B + pos % B, -1 past the real tokens).
 """
 
 from __future__ import annotations
@@ -109,22 +109,35 @@ def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
 
 
 class Batch:
-    """The runner's persistent batch, as the runtime reads it (BatchState)."""
+    """The runner's persistent batch, as the runtime reads it (BatchState).
+
+    The block tables are vLLM's own ``BlockTable`` (one per KV-cache group,
+    CPU buffers with their device copies), driven the way vLLM's
+    ``InputBatch`` drives them: ``add_row`` writes a request's blocks and
+    leaves the rest of the row as it was, ``clear_row`` zeroes only the
+    request's blocks, ``move_row`` (condense) copies a row and leaves the
+    source's contents. A double that zeroed rows on add hid F22 (a request
+    without a hot region read a stale first hot block)."""
 
     def __init__(self, num_groups: int, max_reqs: int = 8,
                  max_blocks: int = 32, max_tokens: int = 512,
                  device: str = "cpu") -> None:
-        # CPU tables (numpy views share their memory); on CUDA the device
-        # copies are refreshed by ``commit`` as the runner does.
-        self.tables = [torch.zeros((max_reqs, max_blocks), dtype=torch.int32)
-                       for _ in range(num_groups)]
+        from vllm.v1.worker.block_table import BlockTable
+
+        self.block_tables = [
+            BlockTable(B, max_reqs, max_blocks, max_tokens, pin_memory=False,
+                       device=torch.device(device), kernel_block_size=B,
+                       cp_kv_cache_interleave_size=1)
+            for _ in range(num_groups)]
+        # CPU tables; ``commit`` copies them to the device, as the runner does.
+        self.tables = [bt.block_table.cpu for bt in self.block_tables]
         self.slots = [torch.full((max_tokens,), -1, dtype=torch.int64)
                       for _ in range(num_groups)]
-        self.device_tables = self.tables
+        self.device_tables = [bt.block_table.gpu for bt in self.block_tables]
         self.device_slots = self.slots
         if device != "cpu":
-            self.device_tables = [t.to(device) for t in self.tables]
             self.device_slots = [t.to(device) for t in self.slots]
+        self.req_ids: list[str | None] = [None] * max_reqs
         self.computed = np.zeros(0, dtype=np.int64)
         self.scheduled = np.zeros(0, dtype=np.int64)
 
@@ -133,18 +146,21 @@ class Batch:
         return self.device_tables[group_id]
 
     def host(self, group_id: int) -> np.ndarray:
-        return self.tables[group_id].numpy()
+        return self.block_tables[group_id].block_table.np
 
     def slot_mapping(self, group_id: int) -> torch.Tensor:
         return self.device_slots[group_id]
 
+    def req_rows(self) -> dict[str, int]:
+        return {r: i for i, r in enumerate(self.req_ids) if r is not None}
+
     def commit(self) -> None:
-        """Copy the CPU tables and slot mappings to the device copies."""
-        if self.device_tables is self.tables:
-            return
-        for src, dst in zip(self.tables + self.slots,
-                            self.device_tables + self.device_slots):
-            dst.copy_(src)
+        """The runner's commit: tables and slot mappings to the device."""
+        for bt in self.block_tables:
+            bt.commit_block_table(len(self.req_ids))
+        for src, dst in zip(self.slots, self.device_slots):
+            if dst is not src:
+                dst.copy_(src)
 
     def num_reqs(self) -> int:
         return int(self.computed.size)
@@ -155,14 +171,31 @@ class Batch:
     def seq_lens_cpu(self) -> np.ndarray:
         return self.computed + self.scheduled
 
-    # test setup
-    def set_row(self, row: int, group_id: int, blocks: list[int]) -> None:
-        self.tables[group_id][row].zero_()
-        self.tables[group_id][row, : len(blocks)] = torch.tensor(
-            blocks, dtype=torch.int32)
+    # test setup, with vLLM's row semantics
+    def set_row(self, row: int, group_id: int, blocks: list[int],
+                req_id: str | None = None) -> None:
+        """``BlockTable.add_row``: the request's blocks from column 0; the
+        columns past them keep whatever the row held before."""
+        self.block_tables[group_id].add_row(list(blocks), row)
+        self.req_ids[row] = req_id if req_id is not None else f"r{row}"
+
+    def remove(self, row: int) -> None:
+        """``InputBatch.remove_request``: clear the request's columns."""
+        for bt in self.block_tables:
+            bt.clear_row(row)
+        self.req_ids[row] = None
+
+    def move(self, src: int, dst: int) -> None:
+        """``InputBatch.condense``: the request at ``src`` slides to ``dst``;
+        ``src`` keeps its contents."""
+        for bt in self.block_tables:
+            bt.move_row(src, dst)
+        self.req_ids[dst], self.req_ids[src] = self.req_ids[src], None
 
     def schedule(self, computed: list[int], scheduled: list[int]) -> None:
-        """This step: row i computes tokens [computed[i], +scheduled[i])."""
+        """This step: row i computes tokens [computed[i], +scheduled[i]);
+        the slot mappings as the runner's kernel computes them, then the
+        commit."""
         self.computed = np.asarray(computed, dtype=np.int64)
         self.scheduled = np.asarray(scheduled, dtype=np.int64)
         positions = np.concatenate([np.arange(c, c + s) for c, s in
@@ -172,6 +205,7 @@ class Batch:
             slots.fill_(-1)
             blocks = table.numpy()[rows, positions // B].astype(np.int64)
             slots[: positions.size] = torch.from_numpy(blocks * B + positions % B)
+        self.commit()
 
     def req_id_per_token(self) -> torch.Tensor:
         """As the FlashMLA metadata builder fills it: padding -> row 0."""

@@ -85,6 +85,9 @@ class RunnerBatchState:
         scheduled = np.diff(self._runner.query_start_loc.np[: n + 1])
         return self._runner.input_batch.num_computed_tokens_cpu[:n] + scheduled
 
+    def req_rows(self) -> Mapping[str, int]:
+        return self._runner.input_batch.req_id_to_index
+
 
 # --------------------------------------------------------------- the views
 

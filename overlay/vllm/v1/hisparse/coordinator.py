@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
@@ -159,6 +160,14 @@ class HiSparseSchedulerStats:
     """Spill reports from a non-writer rank of a shared host pool (INV-28)."""
     pages_unpinned: int = 0
     pages_adopted: int = 0
+    pages_unpinned_to_allocate: int = 0
+    """Clean pages a request gave up inside its own allocation (R25)."""
+    waits_for_in_flight: int = 0
+    """Scheduling attempts that waited for in-flight copies instead of
+    preempting (R26)."""
+    staging_deferrals: int = 0
+    """Short chunks deferred a step because this step's staged pages would
+    exceed the in-slab staging blocks (R28, F21)."""
 
 
 class HiSparseCoordinator:
@@ -228,7 +237,7 @@ class HiSparseCoordinator:
         self._new_source_block_ids: list[int] = []
         # This step's GPU block events (ordered sets of block ids).
         self._reused: dict[int, None] = {}
-        self._hot_allocated: dict[int, None] = {}
+        self._hot_allocated: dict[int, str] = {}  # first block -> request
         self._hot_freed: list[int] = []
         self._cow_pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         self._cow_in_flight: dict[int, tuple[KVCacheBlock, KVCacheBlock]] = {}
@@ -308,11 +317,13 @@ class HiSparseCoordinator:
         """Host blocks (re)allocated this step (hot invalidation, 4.8)."""
         self._new_source_block_ids.extend(b.block_id for b in blocks)
 
-    def note_hot_region_allocated(self, first_block: KVCacheBlock) -> None:
+    def note_hot_region_allocated(
+        self, request_id: str, first_block: KVCacheBlock
+    ) -> None:
         """A request got a hot region (its first block in the first hot
         group): the worker assigns it a freshly reset state slot (INV-5,
-        INV-24)."""
-        self._hot_allocated[first_block.block_id] = None
+        INV-24), found by the request's id (F22)."""
+        self._hot_allocated[first_block.block_id] = request_id
 
     def note_hot_region_freed(self, first_block: KVCacheBlock) -> None:
         """A request's hot region was released (freed, finished, preempted).
@@ -481,12 +492,103 @@ class HiSparseCoordinator:
 
     def _check_watermark(self) -> None:
         """Spec 4.5: below the watermark every running request turns
-        hot-required (its region comes on its next pass). Once per step."""
+        hot-required (its region comes on its next pass), unless its region
+        would cost more blocks than its pages beyond the protected tail can
+        ever free (R27: a short request turned hybrid only adds pressure).
+        Once per step."""
         if self.gpu_pool.get_num_free_blocks() >= self.transition_watermark:
             return
+        groups = len(self.residents)
         for st in self.states.values():
-            if not st.hot_required:
+            if st.hot_required or not groups:
+                continue
+            table = self.residents[0].req_to_blocks.get(st.request_id, ())
+            if (len(table) - ACTIVE_TAIL_PAGES) * groups > self.hot_blocks_per_request:
                 self._set_hot_required(st)
+
+    # ---------------------------------------- making room (F20, R25, R26)
+
+    def reclaimable_pages(self, request_id: str, num_tokens: int) -> list[int]:
+        """Clean pinned pages that the request's own allocation for
+        ``num_tokens`` may unpin (R25): valid, idle, below the protected tail
+        of the grown table (INV-20) and held by the request alone, so that
+        unpinning frees their blocks. Empty unless the request can get a hot
+        region in this allocation (it runs a forward: not loading)."""
+        st = self.states.get(request_id)
+        if st is None or not st.pinned_clean or st.loading or not self.hots:
+            return []
+        tables = self._tables(request_id)
+        limit = max(len(tables[0]), cdiv(num_tokens, self.block_size)) - ACTIVE_TAIL_PAGES
+        return [
+            p for p in st.pinned_clean
+            if p < limit and p not in st.pending
+            and all(t[p].ref_cnt == 1 for t in tables)
+        ]
+
+    def missing_region_blocks(self, request_id: str) -> int:
+        """GPU blocks the request's hot region still needs that its current
+        allocation cost does not count (0 once it is hot-required)."""
+        st = self.states.get(request_id)
+        if st is None or st.hot_required or not self.hots:
+            return 0
+        held = len(self.hots[0].req_to_blocks.get(request_id, ()))
+        return max(self.hots[0].region_blocks - held, 0) * len(self.hots)
+
+    def give_up_pages(self, request_id: str, pages: list[int]) -> None:
+        """R25: the request turns hybrid inside its own allocation. It
+        becomes hot-required, so the same allocation adds its hot region,
+        and unpins ``pages`` (tail-first) so the allocation can reuse their
+        blocks. INV-21 holds once the allocation returns (region and unpin
+        land in one scheduling pass, hence in one step's metadata); INV-22
+        holds as for any unpin: a reused block's new writer runs in a
+        forward stream-ordered after every forward that read it."""
+        st = self.states[request_id]
+        self._set_hot_required(st)
+        self._unpin_pages(st, self._tables(request_id), pages)
+        self.stats.pages_unpinned_to_allocate += len(pages)
+
+    def staged_pages_bound(
+        self, request_id: str, computed_tokens: int, end_tokens: int
+    ) -> int:
+        """Context pages the worker may stage from host for a chunk ending
+        at ``end_tokens`` (R28): null and unpinned entries of the table (an
+        allocation later in this pass may reuse an unpinned block), or, for
+        a request that holds no table yet, its whole computed prefix (a host
+        or offloaded hit starts with null resident entries). O(pages), for
+        short prefill chunks only."""
+        table = self.residents[0].req_to_blocks.get(request_id) if self.residents else None
+        if not table:
+            return computed_tokens // self.block_size
+        n = min(len(table), cdiv(end_tokens, self.block_size))
+        st = self.states.get(request_id)
+        unpinned = sum(p < n for p in st.unpinned) if st is not None else 0
+        return sum(b.is_null for b in table[:n]) + unpinned
+
+    def blocks_released_by_in_flight(self, request_id: str, num_tokens: int) -> int:
+        """GPU blocks that become free, or reclaimable by ``request_id``'s
+        next allocation (R25), once the transfers in flight complete (R26).
+        A spill's completion releases its lease; the page is then unpinned
+        if its request reads from host and the page is below its tail. Only
+        called when an allocation fails: O(pending transfers)."""
+        released = 0
+        for spill in self.pending_spills.values():
+            if spill.restore:
+                continue
+            st, blocks = spill.state, spill.resident_blocks
+            if not self.is_current(st):
+                # A freed incarnation: the lease is the last reference.
+                released += sum(b.ref_cnt == 1 for b in blocks)
+                continue
+            length = len(self._tables(st.request_id)[0])
+            if st.request_id == request_id:
+                length = max(length, cdiv(num_tokens, self.block_size))
+            elif not self._hot_ready(st):
+                continue  # it stays pinned: no hot region to read it from
+            if spill.page < length - ACTIVE_TAIL_PAGES and all(
+                b.ref_cnt == 2 for b in blocks  # the request and the lease
+            ):
+                released += len(blocks)
+        return released
 
     # ------------------------------------------------- unpin / reuse / lose
 
@@ -497,12 +599,16 @@ class HiSparseCoordinator:
         if not st.pinned_clean:
             return
         limit = len(tables[0]) - ACTIVE_TAIL_PAGES
-        pages = sorted(
-            (p for p in st.pinned_clean if p < limit and p not in st.pending),
-            reverse=True,
-        )
+        pages = [p for p in st.pinned_clean if p < limit and p not in st.pending]
+        self._unpin_pages(st, tables, pages)
+
+    def _unpin_pages(
+        self, st: RequestResidency, tables: list[list[KVCacheBlock]], pages: list[int]
+    ) -> None:
+        """Unpin ``pages`` (clean, pinned, idle) tail-first in one pool call."""
         if not pages:
             return
+        pages = sorted(pages, reverse=True)
         blocks: list[KVCacheBlock] = []
         for p in pages:
             for t in tables:
@@ -841,6 +947,7 @@ class HiSparseCoordinator:
             meta.hot_regions_allocated = np.fromiter(
                 self._hot_allocated, dtype=np.int32, count=len(self._hot_allocated)
             )
+            meta.hot_region_requests = list(self._hot_allocated.values())
             self._hot_allocated = {}
         if self._reused:
             meta.reused_block_ids = np.fromiter(

@@ -81,6 +81,11 @@ class HiSparseKVCacheConfig(KVCacheConfig):
     """Blocks of the slab past ``num_blocks``, never handed out by the pool:
     the worker stages host-backed context there for attention kernels that
     read one KV tensor by row id (docs/worker.md K13)."""
+    decode_kernel_tokens: int = 0
+    """The longest per-request query FlashMLA sparse runs on its decode
+    kernel (its reorder threshold): the scheduler bounds the staged pages
+    of a step's chunks in (max_decode_query_len, this] by ``staging_blocks``
+    (spec 2.11, F21, docs/residency.md R28)."""
 
 
 def build_hisparse_kv_cache_config(
@@ -88,6 +93,7 @@ def build_hisparse_kv_cache_config(
     num_gpu_blocks: int,
     host_pool: HostPoolPlan,
     staging_blocks: int = 0,
+    decode_kernel_tokens: int = 0,
 ) -> HiSparseKVCacheConfig:
     """The per-worker config: device tensors by (offset, page) slot.
 
@@ -142,6 +148,7 @@ def build_hisparse_kv_cache_config(
         layout=layout,
         host_pool=host_pool,
         staging_blocks=staging_blocks,
+        decode_kernel_tokens=decode_kernel_tokens,
     )
 
 
@@ -256,8 +263,11 @@ def get_hisparse_kv_cache_configs(
     num_gpu_blocks = min(
         layout.num_gpu_blocks(avail, override) for avail in available_memory
     )
+    decode_tokens = decode_kernel_tokens(vllm_config)
     configs: list[KVCacheConfig] = [
-        build_hisparse_kv_cache_config(layout, num_gpu_blocks, host_pool, staging)
+        build_hisparse_kv_cache_config(
+            layout, num_gpu_blocks, host_pool, staging, decode_tokens
+        )
         for _ in kv_cache_specs
     ]
     concurrency = layout.steady_state_concurrency(
@@ -278,10 +288,47 @@ def get_hisparse_kv_cache_configs(
 def staging_blocks(
     layout: HiSparseLayout, max_model_len: int, vllm_config: "VllmConfig"
 ) -> int:
-    """Slab blocks reserved for in-slab staging: C_stage of spec 2.11,
-    cdiv(max_model_len, B) + cdiv(max_num_batched_tokens, B)."""
+    """Slab blocks reserved for in-slab staging: C_stage of spec 2.11."""
     batched = vllm_config.scheduler_config.max_num_batched_tokens
-    return cdiv(max_model_len, layout.block_size) + cdiv(batched, layout.block_size)
+    return staging_capacity(layout.block_size, max_model_len, batched)
+
+
+def staging_capacity(block_size: int, max_model_len: int, batched_tokens: int) -> int:
+    """C_stage = cdiv(max_model_len, B) + cdiv(max_num_batched_tokens, B):
+    one request's whole context always fits (spec 2.11)."""
+    return cdiv(max_model_len, block_size) + cdiv(batched_tokens, block_size)
+
+
+# FlashMLASparseMetadataBuilder.__init__'s reorder thresholds of the pin
+# (vllm/v1/attention/backends/mla/flashmla_sparse.py), by attention heads
+# per rank; a test checks these literals against the pinned source.
+_DECODE_KERNEL_TOKENS_SM100 = {8: 128, 16: 128, 32: 128, 64: 256, 128: 1024}
+_DECODE_KERNEL_TOKENS_SM100_DEFAULT = 1024
+_DECODE_KERNEL_TOKENS = {16: 128, 32: 128, 64: 256, 128: 256}
+_DECODE_KERNEL_TOKENS_DEFAULT = 256
+
+
+def decode_kernel_tokens(vllm_config: "VllmConfig") -> int:
+    """The longest query FlashMLA sparse treats as a decode (its reorder
+    threshold): such prefill chunks run on the decode kernel, over in-slab
+    staged context when they have host-only pages (K13)."""
+    from vllm.platforms import current_platform
+
+    heads = vllm_config.model_config.get_num_attention_heads(
+        vllm_config.parallel_config
+    )
+    if current_platform.is_device_capability_family(100):
+        table = _DECODE_KERNEL_TOKENS_SM100
+        default = _DECODE_KERNEL_TOKENS_SM100_DEFAULT
+    else:
+        table, default = _DECODE_KERNEL_TOKENS, _DECODE_KERNEL_TOKENS_DEFAULT
+    threshold = table.get(heads, default)
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.num_speculative_tokens is not None:
+        # supports_spec_as_decode: verification queries are decodes too.
+        per_token = 2 if spec.parallel_drafting else 1
+        threshold = max(threshold, 1 + per_token * spec.num_speculative_tokens)
+    return threshold
 
 
 def get_hisparse_kv_cache_capacity(

@@ -104,6 +104,9 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
     """Hybrid coordinator with a host pool for the source group."""
 
     block_pool_cls = HiSparseGpuBlockPool
+    # R26: an admission leaves free what running prefills still need, so a
+    # long prefill is never preempted by requests admitted after it.
+    reserves_for_inflight_prefills = True
 
     def __init__(
         self,
@@ -213,6 +216,21 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         self._no_new_blocks: tuple[list[KVCacheBlock], ...] = tuple(
             [] for _ in managers
         )
+        # This step's last cost computation that exceeded the free blocks
+        # (R25/R26): the pages the request may give up to fit, and what it
+        # still lacks. allocate_slots asks for the cost, then allocates.
+        self._give_up: tuple[str, list[int]] | None = None
+        self._shortfall: tuple[str, int, int] | None = None
+        # R28 (spec 2.11, F21): chunks FlashMLA sparse runs on its decode
+        # kernel stage their host-only context in the slab's staging blocks;
+        # the pages this step's such chunks may stage stay within them.
+        self._staging_blocks = kv_cache_config.staging_blocks
+        self._extend_tokens = range(
+            layout.max_decode_query_len + 1, kv_cache_config.decode_kernel_tokens + 1
+        )
+        self._staged_this_step = 0
+        self._staging_claim: tuple[str, int] | None = None
+        self._staging_full: str | None = None
 
     def _replace_hisparse_managers(self, config: HiSparseKVCacheConfig) -> None:
         """Swap the registry's default managers of the HiSparse groups for
@@ -336,6 +354,10 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
     ) -> int:
+        if not apply_admission_cap and not self._claim_staging(
+            request_id, total_computed_tokens, num_tokens_main_model
+        ):
+            return self.block_pool.num_gpu_blocks + 1  # not this step (R28)
         if not apply_admission_cap and self._fits(request_id, num_tokens):
             return 0
         managers = self.single_type_managers
@@ -351,7 +373,71 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 apply_admission_cap=apply_admission_cap,
             )
             total += n * multiplicity
+        if apply_admission_cap:
+            return total  # the admission gate: nothing is held yet
+        return self._net_of_pages_given_up(request_id, num_tokens, total)
+
+    def _net_of_pages_given_up(self, request_id: str, num_tokens: int, total: int) -> int:
+        """The cost when the pool is short (R25): a running request with
+        clean pinned pages gives them up inside this allocation (its hot
+        region is then part of it), so it costs the region minus the blocks
+        it frees. Records what it still lacks for the wait decision (R26)."""
+        self._give_up = self._shortfall = None
+        free = self.block_pool.get_num_free_blocks()
+        if total <= free:
+            return total
+        hs = self.hisparse
+        pages = hs.reclaimable_pages(request_id, num_tokens)
+        if pages:
+            net = (total + hs.missing_region_blocks(request_id)
+                   - len(pages) * len(self.resident_group_ids))
+            if net < total:
+                total = net
+                self._give_up = (request_id, pages)
+        if total > free:
+            self._shortfall = (request_id, num_tokens, total - free)
         return total
+
+    def _claim_staging(self, request_id: str, computed: int, end: int) -> bool:
+        """R28: may this chunk run now? A chunk FlashMLA sparse runs on its
+        decode kernel has its host-only context pages staged in the slab;
+        together with this step's earlier such chunks they must fit the
+        staging blocks. The first chunk of a step always runs: one
+        request's context always fits (C_stage >= cdiv(max_model_len, B))."""
+        self._staging_claim = None
+        if end - computed not in self._extend_tokens:
+            return True
+        pages = self.hisparse.staged_pages_bound(request_id, computed, end)
+        if pages and self._staged_this_step + pages > self._staging_blocks \
+                and self._staged_this_step:
+            self._staging_full = request_id
+            self.hisparse.stats.staging_deferrals += 1
+            return False
+        self._staging_claim = (request_id, pages)
+        return True
+
+    def waits_for_in_flight_blocks(self, request_id: str) -> bool:
+        """R26 (F20): the running request's allocation just failed; wait a
+        step instead of preempting when the transfers in flight release the
+        blocks it lacks (their completions arrive in later steps' output,
+        INV-15). Never for a host-pool shortage (INV-6: that preempts)."""
+        if self._staging_full == request_id:
+            return True  # the staging blocks are this step's; next step (R28)
+        short = self._shortfall
+        if short is None or short[0] != request_id:
+            return False
+        _, num_tokens, missing = short
+        released = self.hisparse.blocks_released_by_in_flight(request_id, num_tokens)
+        if released < missing:
+            return False
+        self.hisparse.stats.waits_for_in_flight += 1
+        return True
+
+    def new_step_starts(self) -> None:
+        super().new_step_starts()
+        self._give_up = self._shortfall = None
+        self._staged_this_step = 0
+        self._staging_claim = self._staging_full = None
 
     def allocate_new_blocks(
         self,
@@ -360,8 +446,15 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         num_tokens_main_model: int,
         num_encoder_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
+        claim, self._staging_claim = self._staging_claim, None
+        if claim is not None and claim[0] == request_id:
+            self._staged_this_step += claim[1]
         if self._fits(request_id, num_tokens):
             return self._no_new_blocks
+        give_up, self._give_up = self._give_up, None
+        if give_up is not None and give_up[0] == request_id:
+            # Before any pool call, so this allocation can reuse them (R25).
+            self.hisparse.give_up_pages(request_id, give_up[1])
         managers = self.single_type_managers
         out: list[list[KVCacheBlock]] = [[] for _ in managers]
         for gid in self._own_group_ids:
@@ -382,7 +475,7 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 out[gid] = blocks[i * n:(i + 1) * n]
                 managers[gid].append_blocks(request_id, out[gid])
             if new_region:
-                self.hisparse.note_hot_region_allocated(blocks[0])
+                self.hisparse.note_hot_region_allocated(request_id, blocks[0])
         self.hisparse.note_allocated(request_id)
         return tuple(out)
 

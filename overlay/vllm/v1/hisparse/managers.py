@@ -279,15 +279,25 @@ class HiSparseHotManager(HiSparseLockstepManager):
         self.hisparse = hisparse
         self.region_blocks = region_blocks
 
-    def _wants_region(self, request_id: str, total_computed_tokens: int) -> bool:
+    def _wants_region(
+        self, request_id: str, num_tokens: int, total_computed_tokens: int,
+        admission: bool,
+    ) -> bool:
         # Counted at admission even while an async load defers the region
         # itself (num_new_blocks): spec 4.15 admits a zero-resident request
         # only with room for its region.
         if self.hisparse.is_hot_required(request_id):
             return True
+        if request_id in self.num_cached_block:
+            return False  # running: its region comes when it is required
         # A new request with computed history starts zero-resident (1.3):
         # its history is on host, so it reads from host from the first step.
-        return request_id not in self.num_cached_block and total_computed_tokens > 0
+        if total_computed_tokens > 0:
+            return True
+        # A prompt longer than the resident window will give pages up under
+        # pressure, inside one of its own allocations (R25): admit it only
+        # with room for the region that needs. Counted, not allocated.
+        return admission and cdiv(num_tokens, self.block_size) > self.hisparse.cap_res_pages
 
     def get_num_blocks_to_allocate(
         self,
@@ -299,7 +309,9 @@ class HiSparseHotManager(HiSparseLockstepManager):
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
     ) -> int:
-        if not self._wants_region(request_id, total_computed_tokens):
+        if not self._wants_region(
+            request_id, num_tokens, total_computed_tokens, apply_admission_cap
+        ):
             return 0
         return max(self.region_blocks - len(self.req_to_blocks.get(request_id, ())), 0)
 

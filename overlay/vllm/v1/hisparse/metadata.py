@@ -91,6 +91,9 @@ class HiSparseStepMetadata(KVConnectorMetadata):
     hot_regions_allocated: np.ndarray = _ids(np.int32)
     """int32 [a]: the first block (in the first hot group) of every hot
     region allocated this step; the worker gives each a fresh state slot."""
+    hot_region_requests: list[str] = field(default_factory=list)
+    """[a]: the request owning each allocated region, so that a batch row
+    finds its slot by request id (never by block-table contents: F22)."""
     hot_regions_freed: np.ndarray = _ids(np.int32)
     """int32 [f]: the first block of every hot region released this step
     (finished or preempted request); its state slot is released. Applied

@@ -10,11 +10,12 @@ It owns the GPU state the decode path reads and writes:
   is the shared state of requests without a hot region) and ``stats``
   (uint64 [4]: hits, misses, tripped misses, rejected rows);
 - request-state slots: a slot is given to every hot region the scheduler
-  allocates (keyed by the region's first block in the first hot group, which
-  never changes while the request runs, INV-5) and reset on assignment
-  (INV-24); ``region_slot`` maps a GPU block id to its slot on the device, so
-  ``req_state[row] = region_slot[hot_table[row, 0]]`` is one gather per step
-  instead of a Python loop over requests;
+  allocates (named by the region's first block in the first hot group, and
+  by its request), reset on assignment (INV-24) and kept per request, state
+  the worker owns: ``req_state[row]`` is the slot of the row's request, or
+  the shared resident-only row S for a request without a region, never read
+  from block-table contents the worker did not write (F22: vLLM leaves stale
+  ids in rows it condenses away or adds without hot blocks);
 - the per-step inputs of the kernels, written outside any CUDA graph into
   persistent tensors (INV-32): ``req_state`` (int32 [S]) and ``row_req``
   (int32 [max_tokens]: the batch row of each token, -1 = padding, F13);
@@ -67,6 +68,10 @@ class BatchState(Protocol):
     def seq_lens_cpu(self) -> np.ndarray:
         """int [num_reqs]: context length of each request once this step's
         tokens are computed (exact for prefill rows)."""
+        ...
+
+    def req_rows(self) -> Mapping[str, int]:
+        """Request id -> its row in this step's batch."""
         ...
 
     def device(self, group_id: int) -> torch.Tensor:
@@ -198,19 +203,28 @@ class RuntimeGeometry:
 
 @dataclass
 class SlotAllocator:
-    """Request-state slots keyed by hot region (the worker owns them, 2.8)."""
+    """Request-state slots, one per live hot region (the worker owns them,
+    2.8): by region (its first block, how the scheduler names it) and by the
+    region's request (how a batch row finds it, F22)."""
 
     num_slots: int
     free: list[int] = field(default_factory=list)
     of_region: dict[int, int] = field(default_factory=dict)
+    of_request: dict[str, int] = field(default_factory=dict)
+    request_of_region: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.free = list(range(self.num_slots - 1, -1, -1))
 
-    def assign(self, region: int) -> int:
+    def assign(self, region: int, request_id: str) -> int:
         if region in self.of_region:
             raise RuntimeError(
                 f"HiSparse: hot region {region} was allocated twice without a free"
+            )
+        if request_id in self.of_request:
+            raise RuntimeError(
+                f"HiSparse: request {request_id} got a second hot region ({region}) "
+                "while its first is live (INV-5)"
             )
         if not self.free:
             raise RuntimeError(
@@ -219,12 +233,15 @@ class SlotAllocator:
             )
         slot = self.free.pop()
         self.of_region[region] = slot
+        self.of_request[request_id] = slot
+        self.request_of_region[region] = request_id
         return slot
 
     def release(self, region: int) -> int | None:
         slot = self.of_region.pop(region, None)
         if slot is not None:
             self.free.append(slot)
+            del self.of_request[self.request_of_region.pop(region)]
         return slot
 
     @property
@@ -259,14 +276,10 @@ class HiSparseRuntime:
         self.device = device
         g = geometry
         self.slots = SlotAllocator(g.max_num_seqs)
-        # Block 0 (null) "starts" the region of every request without one:
-        # they share the extra state row S, which the resolver never writes
-        # (all their pages are resident: INV-21, INV-34).
+        # Requests without a region share the extra state row S, which the
+        # resolver never writes (all their pages are resident: INV-21,
+        # INV-34).
         self.resident_only_slot = g.max_num_seqs
-        self.region_slot = torch.full(
-            (g.num_gpu_blocks,), -1, dtype=torch.int32, device=device
-        )
-        self.region_slot[0] = self.resident_only_slot
         self.req_state = torch.full(
             (g.max_num_seqs,), -1, dtype=torch.int32, device=device
         )
@@ -306,22 +319,27 @@ class HiSparseRuntime:
 
     # ------------------------------------------------------- hot regions
 
-    def apply_hot_regions(self, freed: np.ndarray, allocated: np.ndarray) -> None:
-        """Release the slots of freed regions, then give every new region a
-        freshly reset slot (INV-5, INV-24). Freed first: a block may end one
-        region and start another in the same step."""
+    def apply_hot_regions(
+        self, freed: np.ndarray, allocated: np.ndarray, requests: Sequence[str]
+    ) -> None:
+        """Release the slots of freed regions, then give every new region
+        (``requests[i]`` owns ``allocated[i]``) a freshly reset slot (INV-5,
+        INV-24). Freed first: a block may end one region and start another
+        in the same step, and a resumed request gets a new region."""
         if freed.size:
             released = [self.slots.release(int(b)) for b in freed]
             if any(s is None for s in released):
                 missing = [int(b) for b, s in zip(freed, released) if s is None]
                 raise RuntimeError(f"HiSparse: freed unknown hot regions {missing}")
-            self.region_slot[self._index(freed)] = -1
         if allocated.size:
+            if len(requests) != allocated.size:
+                raise RuntimeError(
+                    f"HiSparse: {allocated.size} hot regions allocated for "
+                    f"{len(requests)} requests"
+                )
             self.regions_assigned += int(allocated.size)
-            slots = [self.slots.assign(int(b)) for b in allocated]
-            slot_index = self._index(np.asarray(slots, dtype=np.int64))
-            self.region_slot[self._index(allocated)] = slot_index.to(torch.int32)
-            self.reset_slots(slot_index)
+            slots = [self.slots.assign(int(b), r) for b, r in zip(allocated, requests)]
+            self.reset_slots(self._index(np.asarray(slots, dtype=np.int64)))
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Every slot's dgi row to -1 and lru row to 0..H-1 (4.8 step 1)."""
@@ -346,11 +364,23 @@ class HiSparseRuntime:
         self.row_req[:num_tokens].copy_(req_id_per_token[:num_tokens])
         self.req_state.fill_(-1)
         if num_reqs:
-            hot0 = self.tables.device(self.hot_group_ids[0])[:num_reqs, 0]
-            torch.index_select(
-                self.region_slot, 0, hot0.to(torch.int64), out=self.req_state[:num_reqs]
+            self.req_state[:num_reqs].copy_(
+                torch.from_numpy(self._request_slots(num_reqs)), non_blocking=True
             )
         self.step_active = True
+
+    def _request_slots(self, num_reqs: int) -> np.ndarray:
+        """int32 [num_reqs]: each row's request-state slot, from the slots
+        the worker gave to requests (F22), never from block-table rows:
+        O(live hot regions), a fresh array (the copy may still be pending)."""
+        state = np.full(num_reqs, self.resident_only_slot, dtype=np.int32)
+        if self.slots.of_request:
+            rows = self.tables.req_rows()
+            for request_id, slot in self.slots.of_request.items():
+                row = rows.get(request_id)
+                if row is not None and row < num_reqs:
+                    state[row] = slot
+        return state
 
     def plan_staging(self, num_decode_reqs: int) -> None:
         """Staging plans of this step's host-backed prefill requests (C11).

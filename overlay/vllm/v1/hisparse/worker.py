@@ -396,7 +396,9 @@ class HiSparseWorker:
             self._run_audit()
         if meta.cow_src.size:
             self._copy_on_write(meta.cow_src, meta.cow_dst)
-        rt.apply_hot_regions(meta.hot_regions_freed, meta.hot_regions_allocated)
+        rt.apply_hot_regions(
+            meta.hot_regions_freed, meta.hot_regions_allocated, meta.hot_region_requests
+        )
         rt.invalidate_host_blocks(meta.new_source_block_ids)
         self.reused_block_ids = meta.reused_block_ids
         restore = meta.transfer_restore.astype(bool)

@@ -21,11 +21,11 @@ dry=0 digest=${VLLM_IMAGE_DIGEST:-} wheel="" engine="" name=vllm-hisparse
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dry-run) dry=1 ;;
-    --digest) digest=${2:?--digest needs sha256:HEX}; shift ;;
-    --wheel) wheel=${2:?--wheel needs a file}; shift ;;
-    --engine) engine=${2:?--engine needs docker, podman or buildah}; shift ;;
-    --name) name=${2:?--name needs a name}; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --digest) hs_need 'sha256:HEX' "$@"; digest=$2; shift ;;
+    --wheel) hs_need 'a file' "$@"; wheel=$2; shift ;;
+    --engine) hs_need 'docker, podman or buildah' "$@"; engine=$2; shift ;;
+    --name) hs_need 'a name' "$@"; name=$2; shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

@@ -22,10 +22,10 @@ source "$(dirname "$0")/lib.sh"
 out=$HS_ROOT/dist/gpu jobs=$(nproc) gencode=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --out) out=${2:?--out needs a directory}; shift ;;
-    --jobs) jobs=${2:?--jobs needs a number}; shift ;;
-    --gencode) gencode+=(--gencode "${2:?--gencode needs a value}"); shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --out) hs_need 'a directory' "$@"; out=$2; shift ;;
+    --jobs) hs_need 'a number' "$@"; jobs=$2; shift ;;
+    --gencode) hs_need 'a value' "$@"; gencode+=(--gencode "$2"); shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

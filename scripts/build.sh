@@ -20,10 +20,10 @@ source "$(dirname "$0")/lib.sh"
 tier=cpu venv=$HS_ROOT/.venv install=1
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --tier) tier=${2:?--tier needs cpu or gpu}; shift ;;
-    --venv) venv=${2:?--venv needs a directory}; shift ;;
+    --tier) hs_need 'cpu or gpu' "$@"; tier=$2; shift ;;
+    --venv) hs_need 'a directory' "$@"; venv=$2; shift ;;
     --no-install) install=0 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

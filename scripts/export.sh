@@ -21,6 +21,7 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
+[[ -d "$dir" ]] || hs_die "no stack at ${dir#"$HS_ROOT"/}: run scripts/stack.sh first"
 dir=$(realpath "$dir")
 stg_() { (cd "$dir" && GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null stg "$@"); }
 

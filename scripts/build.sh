@@ -12,7 +12,7 @@
 #                needs nvcc)
 #   --venv DIR   the virtual environment (default: .venv)
 #   --no-install build the wheel into dist/ only
-# Outputs: dist/vllm-<VERSION>-*.whl (cpu) or dist/gpu/vllm-<VERSION>-cp38-abi3-*.whl
+# Outputs: dist/vllm-<VERSION>-*.whl (cpu) or dist/gpu/vllm-<VERSION>-cp38-abi3-linux_x86_64.whl
 # (gpu: the artifact users install and images are built from),
 # the venv with it installed, and <venv>/hisparse-build.json (what was built).
 source "$(dirname "$0")/lib.sh"
@@ -71,7 +71,7 @@ fi
 #    kernels compiled in as vllm/_hisparse_C.abi3.so).
 if [[ $tier == gpu ]]; then
   "$HS_ROOT/scripts/build-wheel.sh"
-  built=$(ls "$HS_ROOT/dist/gpu/vllm-$HS_VERSION"-*.whl)
+  built=$HS_ROOT/dist/gpu/$HS_GPU_WHEEL_NAME
 else
   mkdir -p "$HS_ROOT/dist"
   rm -f "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl

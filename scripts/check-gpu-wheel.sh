@@ -56,7 +56,7 @@ version=$(tr -d '[:space:]' < "$here/VERSION")
 if [[ -n "$pack" ]]; then
   # shellcheck source=lib.sh
   source "$here/scripts/lib.sh"
-  [[ -n "$wheel" ]] || wheel=$(ls "$HS_ROOT/dist/gpu/vllm-$HS_VERSION"-*.whl 2>/dev/null | head -n1)
+  [[ -n "$wheel" ]] || wheel=$HS_ROOT/dist/gpu/$HS_GPU_WHEEL_NAME
   [[ -f "$wheel" ]] || die "no GPU wheel (run scripts/build-wheel.sh) or name one"
   rm -rf "$pack"
   run "$HS_PY" "$here/scripts/wheeltool.py" slim --wheel "$wheel" --pinned "$HS_CACHE/pin/$VLLM_WHEEL_FILE" --out-dir "$pack" >/dev/null

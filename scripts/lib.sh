@@ -48,6 +48,12 @@ hs_usage() {
   printf '%s\n' "$text"
 }
 
+# The GPU wheel's file name: scripts/build-wheel.sh writes it, build-image.sh
+# and build.sh --tier gpu take it. linux_x86_64, not manylinux_2_28: built on
+# glibc 2.36, the kernel library needs GLIBC_2.34 (README).
+HS_GPU_WHEEL_PLAT=linux_x86_64
+HS_GPU_WHEEL_NAME=vllm-$HS_VERSION-cp38-abi3-$HS_GPU_WHEEL_PLAT.whl
+
 # Git with an isolated configuration: personal settings (diff.noprefix,
 # diff.algorithm=histogram, signing, ...) must never change patch bytes.
 # Fixed identities and dates make the generated tree's commit ids

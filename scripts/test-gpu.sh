@@ -162,7 +162,9 @@ cuda_home=${CUDA_HOME:-}
 if [[ -z "$cuda_home" ]] && command -v nvcc >/dev/null; then cuda_home=$(dirname "$(dirname "$(command -v nvcc)")"); fi
 [[ -z "$cuda_home" && -x /usr/local/cuda/bin/nvcc ]] && cuda_home=/usr/local/cuda
 mkdir -p "$stage/bin" "$stage/cache"
-printf '#!%s\n# vllm CLI of the GPU bundle (scripts/test-gpu.sh)\nimport sys\nfrom vllm.entrypoints.cli.main import main\nsys.exit(main())\n' "$py" > "$stage/bin/vllm"
+# The guard: a multiprocessing spawn child re-runs this file as __mp_main__,
+# which must not start the CLI again.
+printf '#!%s\n# vllm CLI of the GPU bundle (scripts/test-gpu.sh)\nimport sys\nfrom vllm.entrypoints.cli.main import main\n\nif __name__ == "__main__":\n    sys.exit(main())\n' "$py" > "$stage/bin/vllm"
 chmod +x "$stage/bin/vllm"
 env_lines=()
 setenv() { export "$1=$2"; env_lines+=("export $1=$(printf '%q' "$2")"); }

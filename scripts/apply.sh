@@ -15,10 +15,10 @@ source "$(dirname "$0")/lib.sh"
 dir=$HS_WORK/vllm threeway=() force=0
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --to) dir=${2:?--to needs a directory}; shift ;;
+    --to) hs_need 'a directory' "$@"; dir=$2; shift ;;
     --3way) threeway=(--3way) ;;
     --force) force=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

@@ -8,7 +8,14 @@
 source "$(dirname "$0")/lib.sh"
 
 py=$HS_ROOT/.venv/bin/python
-[[ ${1:-} == --python ]] && py=${2:?--python needs an interpreter}
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --python) hs_need 'an interpreter' "$@"; py=$2; shift ;;
+    -h|--help) hs_usage; exit 0 ;;
+    *) hs_die "unknown argument: $1" ;;
+  esac
+  shift
+done
 [[ -x "$py" ]] || hs_die "no interpreter at $py (run scripts/build.sh, or pass --python)"
 
 mapfile -t names < <(hs_series_names)

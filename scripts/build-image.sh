@@ -7,10 +7,11 @@
 #                               [--engine docker|podman|buildah] [--name NAME]
 #   --dry-run   print the plan (engine, base, wheel, labels, tags, the exact
 #               command) and stop; needs no engine and no registry
-#   --digest    the base image digest (else $VLLM_IMAGE_DIGEST, else UPSTREAM's
-#               VLLM_IMAGE_DIGEST); required: see ci/Dockerfile for how to read it
-#   --wheel     the wheel to install (default: dist/gpu/vllm-<VERSION>-*.whl,
-#               built with scripts/build-wheel.sh when missing)
+#   --digest    the base image digest (else the environment's VLLM_IMAGE_DIGEST,
+#               else UPSTREAM's); required: see ci/Dockerfile for how to read it
+#   --wheel     the wheel to install (default: scripts/build-wheel.sh's
+#               dist/gpu/vllm-<VERSION>-cp38-abi3-linux_x86_64.whl, built
+#               first when missing)
 #   --engine    force an engine (default: the first of docker, podman, buildah
 #               whose daemon/runtime answers)
 #   --name      image name (default: vllm-hisparse)
@@ -21,11 +22,11 @@ dry=0 digest=${VLLM_IMAGE_DIGEST:-} wheel="" engine="" name=vllm-hisparse
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dry-run) dry=1 ;;
-    --digest) digest=${2:?--digest needs sha256:HEX}; shift ;;
-    --wheel) wheel=${2:?--wheel needs a file}; shift ;;
-    --engine) engine=${2:?--engine needs docker, podman or buildah}; shift ;;
-    --name) name=${2:?--name needs a name}; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --digest) hs_need 'sha256:HEX' "$@"; digest=$2; shift ;;
+    --wheel) hs_need 'a file' "$@"; wheel=$2; shift ;;
+    --engine) hs_need 'docker, podman or buildah' "$@"; engine=$2; shift ;;
+    --name) hs_need 'a name' "$@"; name=$2; shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift
@@ -66,15 +67,15 @@ else
 fi
 
 # The wheel and what the labels say.
-if [[ -z "$wheel" ]]; then
-  wheel=$(ls "$HS_ROOT/dist/gpu/vllm-$HS_VERSION"-*.whl 2>/dev/null | head -n1 || true)
-fi
 build_wheel=0
-if [[ -z "$wheel" || ! -f "$wheel" ]]; then
-  [[ -z "$wheel" ]] || hs_die "no such wheel: $wheel"
-  build_wheel=1
-  wheel="$HS_ROOT/dist/gpu/vllm-$HS_VERSION-cp38-abi3-manylinux_2_28_x86_64.whl"
+if [[ -z "$wheel" ]]; then
+  wheel=$HS_ROOT/dist/gpu/$HS_GPU_WHEEL_NAME  # what scripts/build-wheel.sh writes
+  [[ -f "$wheel" ]] || build_wheel=1
+fi
+if [[ $build_wheel == 1 ]]; then
   wheel_sha="(computed after scripts/build-wheel.sh)"
+elif [[ ! -f "$wheel" ]]; then
+  hs_die "no such wheel: $wheel"
 else
   wheel=$(realpath "$wheel")
   [[ "$(basename "$wheel")" == "vllm-$HS_VERSION-"* ]] || hs_die "$(basename "$wheel") is not vllm $HS_VERSION (VERSION)"
@@ -135,7 +136,6 @@ fi
 [[ -z "$engine_note" ]] || hs_die "cannot build: $engine_note"
 if [[ $build_wheel == 1 ]]; then
   "$HS_ROOT/scripts/build-wheel.sh"
-  wheel=$(ls "$HS_ROOT/dist/gpu/vllm-$HS_VERSION"-*.whl | head -n1)
 fi
 wheel_sha=$(hs_sha256 "$wheel")
 plan_cmd "$wheel_sha"

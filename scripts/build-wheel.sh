@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the GPU wheel users pip-install: vllm-<VERSION>-cp38-abi3-<platform>.whl
+# Build the GPU wheel users pip-install: vllm-<VERSION>-cp38-abi3-linux_x86_64.whl
 # in precompiled mode (the pinned, hash-checked upstream wheel's compiled
 # extensions + the patched Python) with the HiSparse kernels compiled in as
 # vllm/_hisparse_C.abi3.so (sm_90a machine code, sm_80 + compute_80 PTX:
@@ -22,10 +22,10 @@ source "$(dirname "$0")/lib.sh"
 out=$HS_ROOT/dist/gpu jobs=$(nproc) gencode=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --out) out=${2:?--out needs a directory}; shift ;;
-    --jobs) jobs=${2:?--jobs needs a number}; shift ;;
-    --gencode) gencode+=(--gencode "${2:?--gencode needs a value}"); shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --out) hs_need 'a directory' "$@"; out=$2; shift ;;
+    --jobs) hs_need 'a number' "$@"; jobs=$2; shift ;;
+    --gencode) hs_need 'a value' "$@"; gencode+=(--gencode "$2"); shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift
@@ -79,7 +79,9 @@ pywheel=$(ls "$wdir/py"/vllm-*.whl)
 mkdir -p "$out"
 rm -f "$out/vllm-$HS_VERSION"-*.whl "$out/vllm-$HS_VERSION"-*.whl.sha256
 wheel=$(hs_run "$py" "$HS_ROOT/scripts/wheeltool.py" assemble --wheel "$pywheel" \
-  --add "vllm/_hisparse_C.abi3.so=$wdir/kernels/_hisparse_C.abi3.so" --out-dir "$out")
+  --add "vllm/_hisparse_C.abi3.so=$wdir/kernels/_hisparse_C.abi3.so" --out-dir "$out" \
+  --plat "$HS_GPU_WHEEL_PLAT")
+[[ "$(basename "$wheel")" == "$HS_GPU_WHEEL_NAME" ]] || hs_die "built $(basename "$wheel"), expected $HS_GPU_WHEEL_NAME"
 hs_run "$py" "$HS_ROOT/scripts/wheeltool.py" check --wheel "$wheel" --pinned "$pinned" --version "$HS_VERSION" \
   --overlay "$HS_OVERLAY" ${cuobjdump:+--cuobjdump "$cuobjdump"} --json "$out/check.json"
 (cd "$out" && sha256sum "$(basename "$wheel")" > "$(basename "$wheel").sha256")

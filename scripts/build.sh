@@ -12,7 +12,7 @@
 #                needs nvcc)
 #   --venv DIR   the virtual environment (default: .venv)
 #   --no-install build the wheel into dist/ only
-# Outputs: dist/vllm-<VERSION>-*.whl (cpu) or dist/gpu/vllm-<VERSION>-cp38-abi3-*.whl
+# Outputs: dist/vllm-<VERSION>-*.whl (cpu) or dist/gpu/vllm-<VERSION>-cp38-abi3-linux_x86_64.whl
 # (gpu: the artifact users install and images are built from),
 # the venv with it installed, and <venv>/hisparse-build.json (what was built).
 source "$(dirname "$0")/lib.sh"
@@ -20,10 +20,10 @@ source "$(dirname "$0")/lib.sh"
 tier=cpu venv=$HS_ROOT/.venv install=1
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --tier) tier=${2:?--tier needs cpu or gpu}; shift ;;
-    --venv) venv=${2:?--venv needs a directory}; shift ;;
+    --tier) hs_need 'cpu or gpu' "$@"; tier=$2; shift ;;
+    --venv) hs_need 'a directory' "$@"; venv=$2; shift ;;
     --no-install) install=0 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift
@@ -71,7 +71,7 @@ fi
 #    kernels compiled in as vllm/_hisparse_C.abi3.so).
 if [[ $tier == gpu ]]; then
   "$HS_ROOT/scripts/build-wheel.sh"
-  built=$(ls "$HS_ROOT/dist/gpu/vllm-$HS_VERSION"-*.whl)
+  built=$HS_ROOT/dist/gpu/$HS_GPU_WHEEL_NAME
 else
   mkdir -p "$HS_ROOT/dist"
   rm -f "$HS_ROOT/dist/vllm-$HS_VERSION"-*.whl

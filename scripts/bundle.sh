@@ -34,13 +34,13 @@ out=$HS_ROOT/.gpu/bundle part_mib=56 prebuild=0 prebuild_py=$HS_ROOT/.venv/bin/p
 preset=9 jobs=$(nproc 2>/dev/null || echo 2)
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --out) out=${2:?--out needs a directory}; shift ;;
-    --part-mib) part_mib=${2:?--part-mib needs a number}; shift ;;
+    --out) hs_need 'a directory' "$@"; out=$2; shift ;;
+    --part-mib) hs_need 'a number' "$@"; part_mib=$2; shift ;;
     --prebuild-kernels) prebuild=1 ;;
-    --prebuild-python) prebuild_py=${2:?--prebuild-python needs a path}; shift ;;
-    --xz-preset) preset=${2:?--xz-preset needs 0-9}; shift ;;
-    --jobs) jobs=${2:?--jobs needs a number}; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    --prebuild-python) hs_need 'a path' "$@"; prebuild_py=$2; shift ;;
+    --xz-preset) hs_need '0-9' "$@"; preset=$2; shift ;;
+    --jobs) hs_need 'a number' "$@"; jobs=$2; shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

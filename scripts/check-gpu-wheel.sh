@@ -30,30 +30,33 @@
 # skipped fails: the tests skip without the ops, which must not pass.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+log() { printf '[check-gpu-wheel] %s\n' "$*" >&2; }
+die() { printf '[check-gpu-wheel] error: %s\n' "$*" >&2; exit 1; }
+# lib.sh's hs_need and hs_usage, inlined: lib.sh is sourced for --pack only
+need() { [[ -n ${3-} && $3 != -* ]] || die "$2 needs $1"; }
+usage() { awk 'NR == 1 || /^# SPDX-/ { next } !/^#/ { exit } { sub(/^# ?/, ""); if (NF || n) { print; n++ } }' "$0"; }
 py=python3 wheel="" carried="" pack="" results="" gpu_tests=1 upstream=""
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --carried) carried=${2:?--carried needs a directory}; shift ;;
-    --pack) pack=${2:?--pack needs a directory}; shift ;;
-    --python) py=${2:?--python needs an interpreter}; shift ;;
-    --results) results=${2:?--results needs a directory}; shift ;;
+    --carried) need 'a directory' "$@"; carried=$2; shift ;;
+    --pack) need 'a directory' "$@"; pack=$2; shift ;;
+    --python) need 'an interpreter' "$@"; py=$2; shift ;;
+    --results) need 'a directory' "$@"; results=$2; shift ;;
     --no-gpu-tests) gpu_tests=0 ;;
-    --upstream-binaries) upstream=${2:?--upstream-binaries needs a directory}; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    --upstream-binaries) need 'a directory' "$@"; upstream=$2; shift ;;
+    -h|--help) usage; exit 0 ;;
     -*) echo "[check-gpu-wheel] error: unknown argument: $1" >&2; exit 2 ;;
     *) wheel=$1 ;;
   esac
   shift
 done
-log() { printf '[check-gpu-wheel] %s\n' "$*" >&2; }
-die() { printf '[check-gpu-wheel] error: %s\n' "$*" >&2; exit 1; }
 run() { printf '+ %s\n' "$*" >&2; "$@"; }
 version=$(tr -d '[:space:]' < "$here/VERSION")
 
 if [[ -n "$pack" ]]; then
   # shellcheck source=lib.sh
   source "$here/scripts/lib.sh"
-  [[ -n "$wheel" ]] || wheel=$(ls "$HS_ROOT/dist/gpu/vllm-$HS_VERSION"-*.whl 2>/dev/null | head -n1)
+  [[ -n "$wheel" ]] || wheel=$HS_ROOT/dist/gpu/$HS_GPU_WHEEL_NAME
   [[ -f "$wheel" ]] || die "no GPU wheel (run scripts/build-wheel.sh) or name one"
   rm -rf "$pack"
   run "$HS_PY" "$here/scripts/wheeltool.py" slim --wheel "$wheel" --pinned "$HS_CACHE/pin/$VLLM_WHEEL_FILE" --out-dir "$pack" >/dev/null
@@ -65,7 +68,8 @@ if [[ -n "$carried" ]]; then
   run "$py" "$here/scripts/wheeltool.py" verify-slim --dir "$carried"
   wheel=$(ls "$carried"/vllm-*.whl)
 fi
-[[ -f "$wheel" ]] || die "no wheel given (usage: scripts/check-gpu-wheel.sh WHEEL | --carried DIR)"
+[[ -n "$wheel" ]] || die "no wheel given (usage: scripts/check-gpu-wheel.sh WHEEL | --carried DIR)"
+[[ -f "$wheel" ]] || die "no such wheel: $wheel"
 [[ "$(basename "$wheel")" == "vllm-$version-"* ]] || die "$(basename "$wheel") is not vllm $version (VERSION)"
 
 scratch=$(mktemp -d)

@@ -14,13 +14,14 @@ source "$(dirname "$0")/lib.sh"
 dir=$HS_WORK/vllm check=0
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --from) dir=${2:?--from needs a directory}; shift ;;
+    --from) hs_need 'a directory' "$@"; dir=$2; shift ;;
     --check) check=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift
 done
+[[ -d "$dir" ]] || hs_die "no stack at ${dir#"$HS_ROOT"/}: run scripts/stack.sh first"
 dir=$(realpath "$dir")
 stg_() { (cd "$dir" && GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null stg "$@"); }
 

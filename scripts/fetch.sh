@@ -17,9 +17,9 @@ want_wheel=0 git_url="" git_ref=$VLLM_BASE_VERSION
 while [[ $# -gt 0 ]]; do
   case $1 in
     --wheel) want_wheel=1 ;;
-    --git) git_url=${2:?--git needs a URL}; shift ;;
-    --ref) git_ref=${2:?--ref needs a ref}; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    --git) hs_need 'a URL' "$@"; git_url=$2; shift ;;
+    --ref) hs_need 'a ref' "$@"; git_ref=$2; shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

@@ -16,10 +16,15 @@ case ":$PATH:" in *":$HS_TOOLS:"*) ;; *) export PATH=$HS_TOOLS:$PATH ;; esac
 
 hs_log() { printf '[%s] %s\n' "$(basename "$0")" "$*" >&2; }
 hs_die() { printf '[%s] error: %s\n' "$(basename "$0")" "$*" >&2; exit 1; }
+# An option's value, in the argument loop:
+#   --out) hs_need 'a directory' "$@"; out=$2; shift ;;
+# A missing value (no more arguments, or the next option) is a one-line error.
+hs_need() { [[ -n ${3-} && $3 != -* ]] || hs_die "$2 needs $1"; }
 # Print, then run: scripts say exactly what they execute.
 hs_run() { printf '+ %s\n' "$*" >&2; "$@"; }
 
 # UPSTREAM is KEY=VALUE; read it without evaluating it as shell.
+HS_UPSTREAM_KEYS=()
 hs_read_upstream() {
   local key val
   while IFS='=' read -r key val; do
@@ -27,10 +32,27 @@ hs_read_upstream() {
     [[ "$key" =~ ^[A-Z0-9_]+$ ]] || hs_die "UPSTREAM: bad key '$key'"
     printf -v "$key" '%s' "$val"
     export "${key?}"
+    HS_UPSTREAM_KEYS+=("$key")
   done < "$HS_ROOT/UPSTREAM"
 }
 hs_read_upstream
 HS_VERSION=$(tr -d '[:space:]' < "$HS_ROOT/VERSION")
+
+# --help: the script's header comment, from after the shebang (and SPDX
+# lines) to the first line of code, without the '#', with the pin's values
+# for $KEY of UPSTREAM. Scripts that run without lib.sh inline the awk part.
+hs_usage() {
+  local text key
+  text=$(awk 'NR == 1 || /^# SPDX-/ { next } !/^#/ { exit } { sub(/^# ?/, ""); if (NF || n) { print; n++ } }' "$0")
+  for key in "${HS_UPSTREAM_KEYS[@]}"; do text=${text//"\$$key"/${!key}}; done
+  printf '%s\n' "$text"
+}
+
+# The GPU wheel's file name: scripts/build-wheel.sh writes it, build-image.sh
+# and build.sh --tier gpu take it. linux_x86_64, not manylinux_2_28: built on
+# glibc 2.36, the kernel library needs GLIBC_2.34 (README).
+HS_GPU_WHEEL_PLAT=linux_x86_64
+HS_GPU_WHEEL_NAME=vllm-$HS_VERSION-cp38-abi3-$HS_GPU_WHEEL_PLAT.whl
 
 # Git with an isolated configuration: personal settings (diff.noprefix,
 # diff.algorithm=histogram, signing, ...) must never change patch bytes.

@@ -18,9 +18,9 @@ source "$(dirname "$0")/lib.sh"
 tier=cpu check_only=0
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --tier) tier=${2:?--tier needs cpu or gpu}; shift ;;
+    --tier) hs_need 'cpu or gpu' "$@"; tier=$2; shift ;;
     --check) check_only=1 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

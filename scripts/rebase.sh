@@ -25,9 +25,9 @@ source "$(dirname "$0")/lib.sh"
 target="" want_sha="" report=""
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --sha256) want_sha=${2:?--sha256 needs a digest}; shift ;;
-    --report) report=${2:?--report needs a directory}; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --sha256) hs_need 'a digest' "$@"; want_sha=$2; shift ;;
+    --report) hs_need 'a directory' "$@"; report=$2; shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     -*) hs_die "unknown argument: $1" ;;
     *) target=$1 ;;
   esac

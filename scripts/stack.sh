@@ -13,10 +13,10 @@ source "$(dirname "$0")/lib.sh"
 dir=$HS_WORK/vllm refresh=0 pass=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --to) dir=${2:?--to needs a directory}; shift ;;
+    --to) hs_need 'a directory' "$@"; dir=$2; shift ;;
     --refresh-base) refresh=1 ;;
     --force) pass+=(--force) ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift

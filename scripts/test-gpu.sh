@@ -31,17 +31,20 @@
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# lib.sh's hs_need and hs_usage (this script runs without lib.sh)
+need() { [[ -n ${3-} && $3 != -* ]] || { echo "test-gpu.sh: $2 needs $1" >&2; exit 2; }; }
+usage() { awk 'NR == 1 || /^# SPDX-/ { next } !/^#/ { exit } { sub(/^# ?/, ""); if (NF || n) { print; n++ } }' "$0"; }
 bundle=$root/.gpu/bundle stage=/root/stage only=kernels,gpu,e2e,serve
 print_env=0 allow_stale=0 rebuild=0
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --bundle) bundle=${2:?--bundle needs a directory}; shift ;;
-    --stage) stage=${2:?--stage needs a directory}; shift ;;
-    --only) only=${2:?--only needs tiers}; shift ;;
+    --bundle) need 'a directory' "$@"; bundle=$2; shift ;;
+    --stage) need 'a directory' "$@"; stage=$2; shift ;;
+    --only) need 'tiers' "$@"; only=$2; shift ;;
     --print-env) print_env=1 ;;
     --allow-stale) allow_stale=1 ;;
     --rebuild-kernels) rebuild=1 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) echo "test-gpu.sh: unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -159,7 +162,9 @@ cuda_home=${CUDA_HOME:-}
 if [[ -z "$cuda_home" ]] && command -v nvcc >/dev/null; then cuda_home=$(dirname "$(dirname "$(command -v nvcc)")"); fi
 [[ -z "$cuda_home" && -x /usr/local/cuda/bin/nvcc ]] && cuda_home=/usr/local/cuda
 mkdir -p "$stage/bin" "$stage/cache"
-printf '#!%s\n# vllm CLI of the GPU bundle (scripts/test-gpu.sh)\nimport sys\nfrom vllm.entrypoints.cli.main import main\nsys.exit(main())\n' "$py" > "$stage/bin/vllm"
+# The guard: a multiprocessing spawn child re-runs this file as __mp_main__,
+# which must not start the CLI again.
+printf '#!%s\n# vllm CLI of the GPU bundle (scripts/test-gpu.sh)\nimport sys\nfrom vllm.entrypoints.cli.main import main\n\nif __name__ == "__main__":\n    sys.exit(main())\n' "$py" > "$stage/bin/vllm"
 chmod +x "$stage/bin/vllm"
 env_lines=()
 setenv() { export "$1=$2"; env_lines+=("export $1=$(printf '%q' "$2")"); }

@@ -12,15 +12,19 @@ source "$(dirname "$0")/lib.sh"
 venv=$HS_ROOT/.venv only=() extra=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --only) only+=("${2:?--only needs a tier}"); shift ;;
-    --venv) venv=${2:?--venv needs a directory}; shift ;;
+    --only) hs_need 'a tier' "$@"; only+=("$2"); shift ;;
+    --venv) hs_need 'a directory' "$@"; venv=$2; shift ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    -h|--help) hs_usage; exit 0 ;;
     *) hs_die "unknown argument: $1" ;;
   esac
   shift
 done
-[[ ${#only[@]} -gt 0 ]] || only=(tooling hisparse upstream kernels)
+tiers=(tooling hisparse upstream kernels)
+for t in "${only[@]}"; do
+  [[ " ${tiers[*]} " == *" $t "* ]] || hs_die "--only: unknown tier '$t' (${tiers[*]})"
+done
+[[ ${#only[@]} -gt 0 ]] || only=("${tiers[@]}")
 wants() { [[ " ${only[*]} " == *" $1 "* ]]; }
 py=$venv/bin/python
 [[ -x "$py" ]] || hs_die "no venv at $venv: run scripts/build.sh first"

@@ -24,10 +24,10 @@ source "$(dirname "$0")/lib.sh"
 name="" repo="" base="" out=""
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --repo) repo=${2:?--repo needs a directory}; shift ;;
-    --base) base=${2:?--base needs a ref}; shift ;;
-    --out) out=${2:?--out needs a directory}; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --repo) hs_need 'a directory' "$@"; repo=$2; shift ;;
+    --base) hs_need 'a ref' "$@"; base=$2; shift ;;
+    --out) hs_need 'a directory' "$@"; out=$2; shift ;;
+    -h|--help) hs_usage; exit 0 ;;
     -*) hs_die "unknown argument: $1" ;;
     *) [[ -z "$name" ]] || hs_die "one patch at a time ($name, $1)"; name=$1 ;;
   esac

@@ -13,12 +13,14 @@
 source "$(dirname "$0")/lib.sh"
 
 lint_only=0
-case ${1:-} in
-  --lint-only) lint_only=1 ;;
-  "") ;;
-  -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-  *) hs_die "unknown argument: $1" ;;
-esac
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --lint-only) lint_only=1 ;;
+    -h|--help) hs_usage; exit 0 ;;
+    *) hs_die "unknown argument: $1" ;;
+  esac
+  shift
+done
 
 rc=0
 "$HS_PY" "$HS_ROOT/scripts/patchtool.py" lint --root "$HS_ROOT" || rc=1

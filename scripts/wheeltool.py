@@ -7,9 +7,10 @@
       the CUDA build the wheel pins) and link SO like vLLM links its own
       extensions: libtorch* as NEEDED, no RPATH/RUNPATH (torch is loaded
       before any extension), so no build path leaks into the wheel.
-  wheeltool.py assemble --wheel W --add ARCNAME=PATH... --out-dir D
-      W plus the added members, RECORD regenerated, tagged cp38-abi3 and
-      manylinux_2_28 when every added ELF stays within that policy.
+  wheeltool.py assemble --wheel W --add ARCNAME=PATH... --out-dir D --plat P
+      W plus the added members, RECORD regenerated, tagged cp38-abi3-P
+      (scripts/lib.sh HS_GPU_WHEEL_PLAT); a manylinux_2_28 P is refused
+      unless every added ELF stays within that policy.
   wheeltool.py check --wheel W --pinned P --version V --overlay DIR
                      [--cuobjdump X] [--json OUT]
       what CI checks on CPU (see check()).
@@ -163,14 +164,12 @@ def cmd_assemble(args: argparse.Namespace) -> None:
     for spec in args.add:
         arc, _, src = spec.partition("=")
         adds.append((arc, Path(src)))
-    plat = "manylinux_2_28_x86_64"
+    plat = args.plat
     for arc, src in adds:
         ok, why = within_manylinux_2_28(src)
-        if not ok:
-            log(f"{arc} needs {why}: tagging linux_x86_64, not manylinux_2_28")
-            plat = "linux_x86_64"
-        else:
-            log(f"{arc}: symbol versions within manylinux_2_28 ({why})")
+        if not ok and plat.startswith("manylinux_2_28"):
+            die(f"{arc} needs {why}: it cannot be tagged {plat}")
+        log(f"{arc}: {'within' if ok else 'beyond'} manylinux_2_28 ({why}); tagging {plat}")
     tag = f"{ABI_TAG}-{plat}"
     members: list[tuple[zipfile.ZipInfo, bytes]] = []
     with zipfile.ZipFile(args.wheel) as zf:
@@ -385,6 +384,7 @@ def main() -> None:
     a.add_argument("--wheel", type=Path, required=True)
     a.add_argument("--add", action="append", default=[], required=True)
     a.add_argument("--out-dir", type=Path, required=True)
+    a.add_argument("--plat", required=True, choices=["linux_x86_64", "manylinux_2_28_x86_64"])
     c = sub.add_parser("check")
     c.add_argument("--wheel", type=Path, required=True)
     c.add_argument("--pinned", type=Path, required=True)

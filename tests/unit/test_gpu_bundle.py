@@ -322,6 +322,41 @@ def test_test_gpu_print_env_exports(fake_gpu):
     assert "[test-gpu" in proc.stderr  # progress went to stderr
 
 
+FAKE_CLI_MAIN = """import multiprocessing
+
+
+def child():
+    print("spawned child ran")
+
+
+def main():
+    # what vllm serve does: start a worker with the spawn method
+    proc = multiprocessing.get_context("spawn").Process(target=child)
+    proc.start()
+    proc.join(60)
+    return proc.exitcode
+"""
+
+
+def test_vllm_shim_survives_a_spawned_child(fake_gpu, tmp_path: Path):
+    """A spawn child re-runs the shim as __mp_main__: without the __main__
+    guard it starts the CLI again while bootstrapping and dies."""
+    repo, stage, env = fake_gpu
+    sh(["bash", "scripts/test-gpu.sh", "--print-env", "--stage", str(stage)],
+       env=env, cwd=repo, check=False)
+    shim = stage / "bin/vllm"
+    assert 'if __name__ == "__main__":' in shim.read_text()
+    cli = tmp_path / "fakevllm/vllm/entrypoints/cli"
+    cli.mkdir(parents=True)
+    for d in (cli, cli.parent, cli.parent.parent):
+        (d / "__init__.py").write_text("")
+    (cli / "main.py").write_text(FAKE_CLI_MAIN)
+    proc = subprocess.run([str(shim)], env={**os.environ, "PYTHONPATH": str(tmp_path / "fakevllm")},
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "spawned child ran"
+
+
 def test_test_gpu_refuses_a_stale_bundle(fake_gpu):
     repo, stage, env = fake_gpu
     f = next((repo / "overlay").rglob("*.py"))

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,50 @@ def test_dry_run_prints_the_plan_with_series_labels(tmp_path):
     other = tmp_path / "vllm-0.26.0+hisparse.999-cp38-abi3-manylinux_2_28_x86_64.whl"
     other.write_bytes(b"x")
     assert "is not vllm" in run(["--dry-run", "--digest", DIGEST, "--wheel", str(other)], check=False).stderr
+
+
+def lib_sh(var: str) -> str:
+    return subprocess.run(["bash", "-c", f'source scripts/lib.sh && printf %s "${var}"'], cwd=ROOT,
+                          text=True, stdout=subprocess.PIPE, check=True).stdout
+
+
+def assemble(tmp: Path, plat: str) -> subprocess.CompletedProcess:
+    """wheeltool.py assemble, as build-wheel.sh runs it, on a two-member
+    wheel; the added library is an ELF of this system (its glibc)."""
+    src = tmp / f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl"
+    di = f"vllm-{VERSION}.dist-info"
+    with zipfile.ZipFile(src, "w") as zf:
+        zf.writestr(f"{di}/WHEEL", "Wheel-Version: 1.0\nTag: cp38-abi3-linux_x86_64\n")
+        zf.writestr(f"{di}/RECORD", "")
+    return subprocess.run(["python3", "scripts/wheeltool.py", "assemble", "--wheel", str(src),
+                           "--add", f"vllm/_hisparse_C.abi3.so={shutil.which('true')}",
+                           "--out-dir", str(tmp / "out"), "--plat", plat],
+                          cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_image_and_wheel_build_agree_on_the_wheel_name(tmp_path):
+    """build-image.sh's default wheel is the file build-wheel.sh writes:
+    both take lib.sh's HS_GPU_WHEEL_NAME, linux_x86_64 as the README says."""
+    name = lib_sh("HS_GPU_WHEEL_NAME")
+    assert name == f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl"
+    plan = run(["--dry-run", "--digest", DIGEST]).stdout
+    shown = re.search(r"^  wheel: +(\S+)", plan, re.M)[1]
+    assert shown == str(ROOT / "dist/gpu" / name)
+    assert f"--build-arg HISPARSE_WHEEL={name} " in plan
+    built = assemble(tmp_path, lib_sh("HS_GPU_WHEEL_PLAT"))
+    assert built.returncode == 0, built.stderr
+    assert Path(built.stdout.strip()).name == name
+    with zipfile.ZipFile(built.stdout.strip()) as zf:
+        assert f"Tag: cp38-abi3-{lib_sh('HS_GPU_WHEEL_PLAT')}" in zf.read(f"vllm-{VERSION}.dist-info/WHEEL").decode()
+
+
+def test_assemble_refuses_manylinux_for_a_library_beyond_it(tmp_path):
+    needs = subprocess.run(["objdump", "-T", shutil.which("true")], text=True, stdout=subprocess.PIPE).stdout
+    glibc = max((tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_([0-9.]+)", needs)), default=())
+    if glibc <= (2, 28):
+        pytest.skip(f"this system's glibc symbols ({glibc}) are within manylinux_2_28")
+    proc = assemble(tmp_path, "manylinux_2_28_x86_64")
+    assert proc.returncode != 0 and "cannot be tagged manylinux_2_28_x86_64" in proc.stderr
 
 
 def test_engine_choice_and_no_engine(tmp_path):

@@ -280,6 +280,17 @@ def test_export_check_reports_a_changed_patch(repo: Path):
     run(["scripts/export.sh", "--from", "work/s", "--check"], repo)
 
 
+def test_export_before_stack_names_the_missing_stack(repo: Path):
+    """A newcomer's first --check, before scripts/stack.sh: one line saying
+    what to run, not cd's error."""
+    for args in (["--check"], []):
+        proc = run(["scripts/export.sh", *args], repo, check=False)
+        assert proc.returncode != 0
+        assert proc.stderr.splitlines() == [
+            "[export.sh] error: no stack at work/vllm: run scripts/stack.sh first"]
+    assert not (repo / "out/refreshed-patches").exists()
+
+
 def test_hand_edited_patch_file_fails_the_round_trip(repo: Path):
     """Patch files are generated: a non-canonical file (here one written by
     plain `git format-patch`, which appends a version signature) applies,

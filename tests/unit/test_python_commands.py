@@ -1,0 +1,121 @@
+"""The Python commands of scripts/ (bench-kernels, bench-scheduler,
+hisparse-capacity) and build-kernels.sh: the interpreter they pick, and
+hisparse-capacity's answer to a --config it cannot use.
+
+A command started by an interpreter without torch / the patched vLLM re-runs
+itself with the repository's .venv/bin/python; without a .venv it says, in
+one line, to run scripts/build.sh. Here a stand-in .venv/bin/python reports
+how it was called, and `python -E -S` plays the interpreter without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(cmd: list[str], cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    return subprocess.run(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=300)
+
+
+def lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+# --- hisparse-capacity --config ---------------------------------------------------
+
+DENSE = json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
+# case: (--config, relative to tmp_path; files to write there; what the error says after --config)
+BAD_CONFIGS = {
+    "missing": ("nope.json", {}, "nope.json: no such file or folder"),
+    "folder-without-config-json": ("empty", {"empty/README": ""}, "empty: a folder without config.json"),
+    "invalid-json": ("bad.json", {"bad.json": "{not json"}, "bad.json: not valid JSON"),
+    "not-an-object": ("list.json", {"list.json": "[1, 2]"}, "list.json: not a JSON object"),
+    "no-index-topk": ("dense/config.json", {"dense/config.json": DENSE},
+                      "dense/config.json has no index_topk: not a sparse-MLA model"),
+    "no-index-topk-folder": ("dense", {"dense/config.json": DENSE},
+                             "dense/config.json has no index_topk: not a sparse-MLA model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_capacity_bad_config_is_one_line_naming_the_file(case: str, tmp_path: Path):
+    arg, files, problem = BAD_CONFIGS[case]
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    proc = run([sys.executable, str(ROOT / "scripts/hisparse-capacity"), "--config", str(tmp_path / arg)])
+    err = lines(proc.stderr)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(err) == 1 and err[0].startswith(f"hisparse-capacity: error: --config {tmp_path}/{problem}"), \
+        proc.stderr
+
+
+# --- the interpreter: the repository's .venv ----------------------------------------
+
+FAKE_VENV_PYTHON = '#!/bin/sh\necho "venv python ($HISPARSE_VENV_REEXEC): $*"\n'
+PYTHON_COMMANDS = {"bench-kernels": ["--help"], "bench-scheduler": ["--help"],
+                   "hisparse-capacity": ["--preset", "glm-5.3"]}
+
+
+def repo_copy(tmp: Path, venv: bool) -> Path:
+    """scripts/ alone, with a stand-in .venv/bin/python that says how it was called."""
+    repo = tmp / "repo"
+    shutil.copytree(ROOT / "scripts", repo / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    if venv:
+        py = repo / ".venv/bin/python"
+        py.parent.mkdir(parents=True)
+        py.write_text(FAKE_VENV_PYTHON)
+        py.chmod(0o755)
+    return repo
+
+
+def bare_python(script: Path, *args: str) -> list[str]:
+    """An interpreter that cannot import torch or vLLM: no site-packages, no PYTHONPATH."""
+    return [sys.executable, "-E", "-S", str(script), *args]
+
+
+@pytest.mark.parametrize("name", sorted(PYTHON_COMMANDS))
+def test_python_command_reruns_under_the_venv(name: str, tmp_path: Path):
+    repo = repo_copy(tmp_path, venv=True)
+    script = repo / "scripts" / name
+    proc = run(bare_python(script, *PYTHON_COMMANDS[name]), cwd=repo,
+               env={"HISPARSE_VENV_REEXEC": None})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"venv python (1): {script} {' '.join(PYTHON_COMMANDS[name])}"
+
+
+@pytest.mark.parametrize("name", sorted(PYTHON_COMMANDS))
+def test_python_command_without_a_venv_is_one_line(name: str, tmp_path: Path):
+    repo = repo_copy(tmp_path, venv=False)
+    proc = run(bare_python(repo / "scripts" / name, *PYTHON_COMMANDS[name]), cwd=repo,
+               env={"HISPARSE_VENV_REEXEC": None})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert len(lines(proc.stderr)) == 1 and "run scripts/build.sh first" in proc.stderr, proc.stderr
+
+
+def test_build_kernels_uses_the_venv_python(tmp_path: Path):
+    repo = repo_copy(tmp_path, venv=True)
+    proc = run([str(repo / "scripts/build-kernels.sh"), "--compile-only"], cwd=repo,
+               env={"HISPARSE_VENV_REEXEC": None})
+    assert proc.returncode == 0, proc.stderr
+    assert lines(proc.stdout)[-1] == (f"venv python (): {repo}/overlay/csrc/hisparse/build.py "
+                                      f"--build-dir {repo}/build/hisparse_ops --compile-only")
+
+
+def test_build_kernels_without_a_venv_is_one_line(tmp_path: Path):
+    repo = repo_copy(tmp_path, venv=False)
+    proc = run([str(repo / "scripts/build-kernels.sh"), "--compile-only"], cwd=repo)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert lines(proc.stderr) == [
+        "[build-kernels.sh] error: no .venv/bin/python: run scripts/build.sh first (or pass --python PY)"]

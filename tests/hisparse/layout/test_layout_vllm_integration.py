@@ -25,6 +25,8 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.hisparse.config_checks import HiSparseConfigError
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
+from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
+from vllm.v1.hisparse.memory import BatchLimits, hisparse_gpu_reserve
 from vllm.v1.hisparse.specs import (
     HiSparseHotSpec,
     HiSparseResidentSpec,
@@ -110,6 +112,21 @@ def test_hisparse_off_is_vllm(model_dir):
 STAGING = 8192 // 64 + 8192 // 64
 
 
+def reserve_at(vllm_config, num_blocks, max_model_len=8192):
+    """HiSparse's GPU bytes beside a pool of ``num_blocks`` (L17; the sizes
+    themselves are tested against real allocations in tests/hisparse/memory)."""
+    layout = build_hisparse_layout(
+        model_specs(), HiSparseParams.from_vllm_config(vllm_config))
+    return hisparse_gpu_reserve(
+        layout, BatchLimits.from_vllm_config(vllm_config), max_model_len)
+
+
+def budget_for(vllm_config, num_blocks, max_model_len=8192):
+    """The KV memory that holds exactly ``num_blocks`` pool blocks."""
+    reserve = reserve_at(vllm_config, num_blocks, max_model_len)
+    return num_blocks * BPB + reserve.total
+
+
 def test_get_kv_cache_configs_builds_hisparse(model_dir, plenty_of_ram, layout_log):
     """3.1-3.5 end to end: group order and roles, N_gpu = min over workers of
     available // bytes_per_block, host pool outside kv_cache_tensors, the
@@ -117,8 +134,8 @@ def test_get_kv_cache_configs_builds_hisparse(model_dir, plenty_of_ram, layout_l
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0})
     specs = model_specs()
     # 256 blocks of in-slab staging (cdiv(8192, 64) + cdiv(8192, 64), K13)
-    # come off the available memory.
-    memory = [(1000 + STAGING) * BPB + 5, (1200 + STAGING) * BPB]
+    # and the rest of HiSparse's reserve (L17) come off the available memory.
+    memory = [budget_for(vllm_config, 1000) + 5, budget_for(vllm_config, 1200)]
     configs = get_kv_cache_configs(vllm_config, [specs, dict(specs)], memory)
     assert all(isinstance(c, HiSparseKVCacheConfig) for c in configs)
     config = configs[0]
@@ -177,11 +194,11 @@ def test_memory_check_uses_admission_cost(model_dir, plenty_of_ram):
     """3.5: the "one max_model_len request" check needs the admission cost
     (672 blocks here), not the fully-resident one (128 * 8 blocks)."""
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0})
-    configs = get_kv_cache_configs(
-        vllm_config, [model_specs()], [(672 + STAGING) * BPB])
+    budget = budget_for(vllm_config, 672)
+    configs = get_kv_cache_configs(vllm_config, [model_specs()], [budget])
     assert configs[0].num_blocks == 672
     with pytest.raises(ValueError, match=r"max seq len \(8192\)"):
-        get_kv_cache_configs(vllm_config, [model_specs()], [(671 + STAGING) * BPB])
+        get_kv_cache_configs(vllm_config, [model_specs()], [budget - 1])
 
 
 def test_num_gpu_blocks_override(model_dir, plenty_of_ram):
@@ -194,13 +211,21 @@ def test_num_gpu_blocks_override(model_dir, plenty_of_ram):
 
 def test_auto_fit_uses_hisparse_accounting(model_dir, plenty_of_ram):
     """Auto-fit (max_model_len=-1) searches the 3.5 admission cost, the
-    in-slab staging blocks (pages + cdiv(8192, 64), K13) and the host pool:
-    with 400 blocks the largest length satisfying pages + 4 * min(pages,
-    cap_res) + 4 * 8 + pages + 128 <= 400 is 40 pages."""
+    in-slab staging blocks (pages + cdiv(8192, 64), K13), the rest of the
+    reserve (L17) and the host pool: with 400 blocks for pool and staging the
+    largest length satisfying pages + 4 * min(pages, cap_res) + 4 * 8 +
+    pages + 128 <= 400 is 40 pages."""
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0}, max_model_len=-1)
-    get_kv_cache_configs(vllm_config, [model_specs()], [400 * BPB])
+    # The worker state and block tables at 40 pages, in whole blocks.
+    rest = reserve_at(vllm_config, 400, 40 * 64)
+    rest_blocks = -(-(rest.total - rest.staging_bytes) // BPB)
+    configs = get_kv_cache_configs(
+        vllm_config, [model_specs()], [(400 + rest_blocks) * BPB])
     # 6 * 40 + 160 = 400 <= 400 < 6 * 41 + 160 = 406.
     assert vllm_config.model_config.max_model_len == 40 * 64
+    # The fitted engine's pool and reserve fit the memory it had.
+    fitted = configs[0]
+    assert fitted.num_blocks * BPB + fitted.gpu_reserve.total <= (400 + rest_blocks) * BPB
 
 
 def test_host_pool_too_small(model_dir, plenty_of_ram):

@@ -28,7 +28,7 @@ from tests.hisparse.offloading.test_offloading import (
 )
 from tests.hisparse.scheduler.harness import B, make_request
 from vllm.v1.core.kv_cache_utils import get_block_hash
-from vllm.v1.hisparse.kv_cache_config import staging_capacity
+from vllm.v1.hisparse.memory import staging_block_count
 
 SUFFIX = 100  # <= the decode-kernel threshold (256); 5 of them fit one 512-token step
 
@@ -78,7 +78,7 @@ def test_host_only_turns_returning_together_never_overflow_staging(rig, num_requ
     """F21 at the e2e config (max_model_len 8192, 512-token batches: C_stage
     136): ``num_requests`` host-only conversations of C_stage + 1 pages in
     total return in one step with the same 100-token turn."""
-    c_stage = staging_capacity(B, 8192, 512)
+    c_stage = staging_block_count(8192, B, 512)
     assert c_stage == 136
     total = c_stage + 1
     pages = [total // num_requests + (i < total % num_requests)
@@ -108,7 +108,7 @@ def test_production_numbers(rig, monkeypatch, pages_each):
     ~70K tokens or three of ~47K."""
     # The tiny model's config says 64K positions; only the scheduler runs.
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    c_stage = staging_capacity(B, 131072, 8192)
+    c_stage = staging_block_count(131072, B, 8192)
     assert c_stage == 2176 < sum(pages_each)
     r = return_together(
         rig(num_gpu_blocks=5000, num_host_blocks=20_000, num_cpu_blocks=6000,
@@ -125,7 +125,7 @@ def test_running_requests_short_of_staging_wait_instead_of_preempting(rig):
     the decode kernel) land in the same step. The second waits a step (the
     scheduler's wait path: never a preemption), and the staging blocks are
     never exceeded."""
-    c_stage = staging_capacity(B, 8192, 600)
+    c_stage = staging_block_count(8192, B, 600)
     assert c_stage == 138 < 140
     r = return_together(
         rig(num_gpu_blocks=800, num_host_blocks=20_000, num_cpu_blocks=4000,

@@ -89,8 +89,8 @@ from vllm.v1.hisparse.host_pool_plan import plan_host_pool
 from vllm.v1.hisparse.kv_cache_config import (
     HiSparseKVCacheConfig,
     build_hisparse_kv_cache_config,
-    staging_capacity,
 )
+from vllm.v1.hisparse.memory import staging_block_count
 from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
@@ -174,7 +174,7 @@ def hisparse_kv_cache_config(
     )
     worker = build_hisparse_kv_cache_config(
         layout, num_gpu_blocks, plan_host_pool(layout, params),
-        staging_capacity(B, max_model_len, max_num_batched_tokens),
+        staging_block_count(max_model_len, B, max_num_batched_tokens),
         decode_kernel_tokens,
     )
     config = generate_scheduler_kv_cache_config([worker])

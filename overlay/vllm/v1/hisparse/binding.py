@@ -37,6 +37,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.layout import HiSparseLayout
+from vllm.v1.hisparse.memory import MiB, check_worker_reserve, held_tensor_bytes
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata
 from vllm.v1.hisparse.runtime import (
     HiSparseRuntime,
@@ -323,18 +324,22 @@ def bind_runtime(
     if not has_kv_transfer_group():
         raise RuntimeError("HiSparse: no KV connector is installed in this worker")
     hisparse_connector(get_kv_transfer_group()).attach_worker(worker)
+    # What this worker holds beside the slab, against the engine's reserve
+    # (docs/layout.md L17); the engine logged the breakdown.
+    held = held_tensor_bytes([runtime, worker, staging], slab.device.type, [slab])
+    check_worker_reserve(kv_cache_config.gpu_reserve, held)
     g = runtime.geometry
     logger.info(
         "HiSparse enabled: index_topk=%d, device_buffer_size=%d, "
         "max_decode_query_len=%d, eager_host_mirror=%s, %d index group(s), "
-        "staging %d blocks, resolver workspace %d rows.",
+        "resolver workspace %d rows, %.1f MiB of worker GPU state.",
         g.index_topk,
         g.device_buffer_size,
         g.max_decode_query_len,
         hisparse_config.eager_host_mirror,
         len(runtime.groups),
-        staging.num_blocks,
         g.workspace_rows,
+        held / MiB,
     )
     return runtime
 

@@ -4,19 +4,20 @@
 
 ``get_hisparse_kv_cache_configs`` mirrors ``kv_cache_utils.get_kv_cache_configs``
 for HiSparse: grouping, the ``num_gpu_blocks_override`` adjustment, auto-fit,
-the memory check, the config build and the capacity log, emitting
+HiSparse's GPU reserve (``memory``), the memory check, the config build and
+the capacity log, emitting
 ``HiSparseKVCacheConfig``s whose host tensors stay outside
 ``kv_cache_tensors`` (vLLM's allocator and shrink loop never see them).
 ``get_hisparse_kv_cache_capacity`` is the ``get_kv_cache_capacity`` fork.
 """
 
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
 from vllm.v1.hisparse.capacity import log_hisparse_layout
 from vllm.v1.hisparse.config_checks import (
     GiB,
@@ -31,6 +32,16 @@ from vllm.v1.hisparse.layout import (
     HiSparseParams,
     build_hisparse_layout,
 )
+from vllm.v1.hisparse.memory import (
+    BatchLimits,
+    HiSparseGpuReserve,
+    check_override_fits,
+    hisparse_gpu_reserve,
+    log_hisparse_reserve,
+    max_pool_blocks,
+    require_pool_room,
+    reserved_blocks,
+)
 from vllm.v1.hisparse.specs import resident_layer_name
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -40,7 +51,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
 
 logger = init_logger(__name__)
 
@@ -86,6 +97,10 @@ class HiSparseKVCacheConfig(KVCacheConfig):
     kernel (its reorder threshold): the scheduler bounds the staged pages
     of a step's chunks in (max_decode_query_len, this] by ``staging_blocks``
     (spec 2.11, F21, docs/residency.md R28)."""
+    gpu_reserve: HiSparseGpuReserve | None = None
+    """The GPU bytes outside the pool that the sizing set aside (staging
+    blocks, worker state, block tables; docs/layout.md L17): the worker
+    checks what it allocates against it."""
 
 
 def build_hisparse_kv_cache_config(
@@ -94,6 +109,7 @@ def build_hisparse_kv_cache_config(
     host_pool: HostPoolPlan,
     staging_blocks: int = 0,
     decode_kernel_tokens: int = 0,
+    gpu_reserve: HiSparseGpuReserve | None = None,
 ) -> HiSparseKVCacheConfig:
     """The per-worker config: device tensors by (offset, page) slot.
 
@@ -149,6 +165,7 @@ def build_hisparse_kv_cache_config(
         host_pool=host_pool,
         staging_blocks=staging_blocks,
         decode_kernel_tokens=decode_kernel_tokens,
+        gpu_reserve=gpu_reserve,
     )
 
 
@@ -180,10 +197,12 @@ def get_hisparse_kv_cache_configs(
     """HiSparse's ``get_kv_cache_configs`` (kv_cache_utils forks it here).
 
     The same steps as vLLM's, on the HiSparse layout: grouping (3.1),
-    ``num_gpu_blocks_override``, auto-fit and the memory check on the 3.5
-    accounting, one ``HiSparseKVCacheConfig`` per worker with the common
-    N_gpu, and the capacity log. Every startup check of 6.3 that does not
-    need a GPU runs before anything is sized.
+    auto-fit, HiSparse's GPU reserve set aside (L17: without an override it
+    comes off the available memory, an override must fit beside it),
+    the memory check on the 3.5 accounting, one ``HiSparseKVCacheConfig``
+    per worker with the common N_gpu, and the capacity and reserve logs.
+    Every startup check of 6.3 that does not need a GPU runs before anything
+    is sized.
     """
     from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -194,48 +213,18 @@ def get_hisparse_kv_cache_configs(
     params = HiSparseParams.from_vllm_config(vllm_config)
     layout = build_hisparse_layout(merged, params)
     host_pool = plan_host_pool(layout, params)
-    bytes_per_block = layout.bytes_per_block
 
+    limits = BatchLimits.from_vllm_config(vllm_config)
     override = params.num_gpu_blocks_override
-    if override is not None:
-        logger.info(
-            "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
-            min(available_memory) // bytes_per_block,
-            override,
-        )
-        available_memory = [override * bytes_per_block] * len(available_memory)
-
     model_config = vllm_config.model_config
-
-    def staging_for(length: int) -> int:
-        # In-slab staging blocks (K13) come off the pool's memory.
-        return staging_blocks(layout, length, vllm_config) if override is None else 0
-
     if model_config.original_max_model_len == -1:
-        original = model_config.max_model_len
-        fitted = layout.estimate_max_model_len(
-            min(available_memory), host_pool.num_blocks, original, staging_for
+        _auto_fit_max_model_len(
+            model_config, layout, limits, host_pool, min(available_memory), override
         )
-        if fitted <= 0:
-            raise ValueError(
-                "Cannot auto-fit max_model_len: not enough GPU memory available "
-                "to serve even a single token with HiSparse, or host pool too "
-                "small. Try increasing `gpu_memory_utilization` or host_pool_gib."
-            )
-        if fitted < original:
-            model_config.max_model_len = fitted
-            logger.info_once(
-                "Auto-fit max_model_len: reduced from %d to %d to fit the HiSparse "
-                "GPU pool (%.2f GiB) and host pool (%d blocks)",
-                original,
-                fitted,
-                min(available_memory) / GiB,
-                host_pool.num_blocks,
-            )
     max_model_len = model_config.max_model_len
-    staging = staging_blocks(layout, max_model_len, vllm_config)
-    reserved = staging_for(max_model_len) * bytes_per_block
-    available_memory = [max(avail - reserved, 0) for avail in available_memory]
+    pool_memory = _pool_memory(
+        layout, limits, max_model_len, available_memory, override
+    )
 
     check_host_pool_holds_one_request(
         host_pool.num_blocks,
@@ -250,7 +239,7 @@ def get_hisparse_kv_cache_configs(
         params.tensor_parallel_size,
         host_pool.shared,
     )
-    for avail in available_memory:
+    for avail in pool_memory:
         _check_enough_kv_cache_memory(
             avail,
             lambda: layout.gpu_bytes_per_request(max_model_len),
@@ -261,12 +250,14 @@ def get_hisparse_kv_cache_configs(
         )
 
     num_gpu_blocks = min(
-        layout.num_gpu_blocks(avail, override) for avail in available_memory
+        layout.num_gpu_blocks(avail, override) for avail in pool_memory
     )
+    reserve = hisparse_gpu_reserve(layout, limits, max_model_len)
     decode_tokens = decode_kernel_tokens(vllm_config)
     configs: list[KVCacheConfig] = [
         build_hisparse_kv_cache_config(
-            layout, num_gpu_blocks, host_pool, staging, decode_tokens
+            layout, num_gpu_blocks, host_pool, reserve.staging_blocks,
+            decode_kernel_tokens=decode_tokens, gpu_reserve=reserve,
         )
         for _ in kv_cache_specs
     ]
@@ -282,21 +273,8 @@ def get_hisparse_kv_cache_configs(
         concurrency.result,
     )
     log_hisparse_layout(layout, host_pool, num_gpu_blocks, max_model_len)
+    log_hisparse_reserve(reserve)
     return configs
-
-
-def staging_blocks(
-    layout: HiSparseLayout, max_model_len: int, vllm_config: "VllmConfig"
-) -> int:
-    """Slab blocks reserved for in-slab staging: C_stage of spec 2.11."""
-    batched = vllm_config.scheduler_config.max_num_batched_tokens
-    return staging_capacity(layout.block_size, max_model_len, batched)
-
-
-def staging_capacity(block_size: int, max_model_len: int, batched_tokens: int) -> int:
-    """C_stage = cdiv(max_model_len, B) + cdiv(max_num_batched_tokens, B):
-    one request's whole context always fits (spec 2.11)."""
-    return cdiv(max_model_len, block_size) + cdiv(batched_tokens, block_size)
 
 
 # FlashMLASparseMetadataBuilder.__init__'s reorder thresholds of the pin
@@ -329,6 +307,75 @@ def decode_kernel_tokens(vllm_config: "VllmConfig") -> int:
         per_token = 2 if spec.parallel_drafting else 1
         threshold = max(threshold, 1 + per_token * spec.num_speculative_tokens)
     return threshold
+
+
+def _auto_fit_max_model_len(
+    model_config: "ModelConfig",
+    layout: HiSparseLayout,
+    limits: BatchLimits,
+    host_pool: HostPoolPlan,
+    budget: int,
+    override: int | None,
+) -> None:
+    """``max_model_len=-1``: the largest length whose admission cost fits the
+    pool and whose pages fit the host pool (3.5, L11). Without an override
+    the reserve (L17) comes off the same memory; with one the pool is the
+    override's and the reserve is checked against the budget afterwards."""
+    original = model_config.max_model_len
+    if override is None:
+        pool_bytes = budget
+        reserve = functools.partial(reserved_blocks, layout, limits)
+    else:
+        pool_bytes, reserve = override * layout.bytes_per_block, None
+    fitted = layout.estimate_max_model_len(
+        pool_bytes, host_pool.num_blocks, original, reserve
+    )
+    if fitted <= 0:
+        raise ValueError(
+            "Cannot auto-fit max_model_len: not enough GPU memory available "
+            "to serve even a single token with HiSparse, or host pool too "
+            "small. Try increasing `gpu_memory_utilization` or host_pool_gib."
+        )
+    if fitted < original:
+        model_config.max_model_len = fitted
+        logger.info_once(
+            "Auto-fit max_model_len: reduced from %d to %d to fit the HiSparse "
+            "GPU pool (%.2f GiB) and host pool (%d blocks)",
+            original,
+            fitted,
+            pool_bytes / GiB,
+            host_pool.num_blocks,
+        )
+
+
+def _pool_memory(
+    layout: HiSparseLayout,
+    limits: BatchLimits,
+    max_model_len: int,
+    available_memory: Sequence[int],
+    override: int | None,
+) -> list[int]:
+    """Per worker, the bytes of the pool's blocks once HiSparse's reserve
+    (L17) is set aside: the largest pool that fits with it, or the override
+    after checking that it fits with it."""
+    fits = [
+        max_pool_blocks(layout, limits, max_model_len, avail)
+        for avail in available_memory
+    ]
+    if override is None:
+        for blocks, avail in zip(fits, available_memory):
+            require_pool_room(layout, limits, max_model_len, blocks, avail)
+        return [blocks * layout.bytes_per_block for blocks in fits]
+    logger.info(
+        "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
+        max(min(fits), 0),
+        override,
+    )
+    # What will be allocated: the override, capped for INV-14 like N_gpu.
+    requested = min(override, layout.max_gpu_blocks())
+    for blocks, avail in zip(fits, available_memory):
+        check_override_fits(layout, limits, max_model_len, requested, blocks, avail)
+    return [override * layout.bytes_per_block] * len(available_memory)
 
 
 def get_hisparse_kv_cache_capacity(

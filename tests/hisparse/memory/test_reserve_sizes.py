@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""HiSparse's GPU reserve equals what the worker allocates (spec 2.8, 2.11,
+3.5; docs/layout.md L17).
+
+The pure ``hisparse_gpu_reserve`` is compared with the real runtime, data
+plane and staging cache built over a CPU slab (the worker harness), byte for
+byte: per item with the tensors the runtime names, and in total with a walk
+of every tensor the objects hold, so a buffer added to them later fails here
+until the reserve counts it. The block tables are compared with vLLM's own
+``BlockTable``.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from vllm.utils.math_utils import cdiv
+from vllm.v1.hisparse import reference
+from vllm.v1.hisparse.binding import make_runtime
+from vllm.v1.hisparse.memory import (
+    BatchLimits,
+    held_tensor_bytes,
+    hisparse_gpu_reserve,
+    hot_slot_state_bytes,
+    num_index_groups,
+    staging_block_count,
+)
+from vllm.v1.hisparse.staging import StagingCache
+from vllm.v1.hisparse.worker import HiSparseWorker
+from vllm.v1.worker.block_table import BlockTable
+from worker_harness import B, W, Batch, ReferenceOps, host_pool, tiny_config
+
+NUM_GPU_BLOCKS = 256
+
+
+@dataclass
+class Bound:
+    """A worker bound as ``binding.bind_runtime`` binds it, on CPU."""
+
+    config: object
+    slab: torch.Tensor
+    pool: object
+    runtime: object
+    worker: HiSparseWorker
+    staging: StagingCache
+    limits: BatchLimits
+    max_model_len: int
+
+    @property
+    def layout(self):
+        return self.config.layout
+
+    def reserve(self):
+        return hisparse_gpu_reserve(self.layout, self.limits, self.max_model_len)
+
+
+@pytest.fixture
+def bind():
+    bound: list[Bound] = []
+
+    def make(*, freq=1, topk=64, hot=None, seqs=8, tokens=512, max_model_len=40 * B):
+        staging_blocks = staging_block_count(max_model_len, B, tokens)
+        config = tiny_config(freq=freq, index_topk=topk, device_buffer_size=hot,
+                             num_gpu_blocks=NUM_GPU_BLOCKS,
+                             staging_blocks=staging_blocks)
+        layout = config.layout
+        slab = torch.zeros((config.num_blocks + staging_blocks) * layout.bytes_per_block,
+                           dtype=torch.uint8)
+        pool = host_pool(config)
+        batch = Batch(len(layout.kv_cache_groups), max_reqs=seqs,
+                      max_blocks=cdiv(max_model_len, B), max_tokens=tokens)
+        runtime = make_runtime(config, slab, pool, batch, ReferenceOps,
+                               max_num_seqs=seqs, max_num_tokens=tokens)
+        worker = HiSparseWorker(runtime, pool, slab=slab, rank=0,
+                                eager_host_mirror=True,
+                                page_copy=reference.ref_copy_descriptors)
+        staging = StagingCache(max_model_len, B, W, torch.device("cpu"))
+        bound.append(Bound(config, slab, pool, runtime, worker, staging,
+                           BatchLimits(seqs, tokens), max_model_len))
+        return bound[-1]
+
+    yield make
+    for b in bound:
+        b.worker.shutdown()
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+CASES = [
+    dict(),                                         # 4 leaders, H = 2K, R_ws = S
+    dict(freq=2),                                   # IndexShare: 2 index groups
+    dict(topk=128, hot=1024, seqs=16, tokens=256),  # configured H
+    dict(seqs=64, tokens=48, max_model_len=100 * B + 7),  # R_ws = T < S * q
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reserve_items_equal_the_runtime_tensors(bind, case):
+    """2.8: dgi int32 + lru int16 [S + 1, H] and stats per index group,
+    req_state, row_req and the LRU reset row; the workspace
+    (int32 [R_ws, K] x 3 + [R_ws] x 2); 2.11: the staging cache; the mirror
+    descriptors (K2); the in-slab staging blocks (K13) in the slab."""
+    b = bind(**case)
+    rt, reserve = b.runtime, b.reserve()
+    hot = sum(nbytes(g.dgi, g.lru, g.stats) for g in rt.groups) + nbytes(
+        rt.req_state, rt.row_req, rt._lru_init)
+    assert reserve.hot_slot_state == hot
+    ws = rt.workspace
+    assert reserve.workspace == nbytes(
+        ws.out_rows, ws.valid_counts, ws.plan_src, ws.plan_dst, ws.plan_count)
+    st = b.staging
+    assert reserve.prefill_staging == nbytes(st.cache, st.block_table, st.zero_start)
+    m = b.worker.mirror
+    assert reserve.mirror == nbytes(
+        m.src, m.dst, m.nbytes, m._pair_of_layer, m._src_base, m._dst_base)
+    slab_bytes = {t.size for t in b.config.kv_cache_tensors}
+    assert slab_bytes == {b.config.num_blocks * b.layout.bytes_per_block
+                          + reserve.staging_bytes}
+    assert reserve.staging_blocks == b.config.staging_blocks
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reserve_covers_every_tensor_the_worker_holds(bind, case):
+    """Every storage reachable from the runtime, the data plane and the
+    staging cache, less the slab and the host pool, is in the reserve: a new
+    buffer that the reserve does not count makes this fail."""
+    b = bind(**case)
+    held = held_tensor_bytes([b.runtime, b.worker, b.staging], "cpu",
+                             exclude=[b.slab, b.pool.tensor])
+    assert held == b.reserve().worker_state
+
+
+def test_held_bytes_count_shared_storage_once(bind):
+    """Views (the layer views, workspace slices) are not counted again."""
+    b = bind()
+    rt = b.runtime
+    once = held_tensor_bytes([rt], "cpu", exclude=[b.slab, b.pool.tensor])
+    views = [rt.workspace.out_rows[:3], rt.groups[0].dgi[1:], rt]
+    assert held_tensor_bytes(views, "cpu", exclude=[b.slab, b.pool.tensor]) == once
+    assert held_tensor_bytes([rt], "cuda") == 0
+
+
+def test_index_groups_are_counted_as_the_runtime_builds_them(bind):
+    for freq in (1, 2):
+        b = bind(freq=freq)
+        assert num_index_groups(b.layout.leaders) == len(b.runtime.groups)
+    assert num_index_groups([False, True, False]) == 2
+    assert num_index_groups([]) == 0
+
+
+def test_per_group_state_is_six_s_h_bytes():
+    """3.5: per index group 6·S·H bytes (int32 dgi + int16 lru) on S + 1 state
+    rows (row S is shared by requests without a hot region, K5), plus the
+    four uint64 counters; nothing else grows with the number of groups."""
+    limits = BatchLimits(max_num_seqs=256, max_num_batched_tokens=8192)
+    one = hot_slot_state_bytes(1, limits, 4096)
+    two = hot_slot_state_bytes(2, limits, 4096)
+    assert two - one == 6 * 257 * 4096 + 32
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]])
+def test_block_tables_equal_vllm_block_tables(bind, case):
+    """The runner keeps one ``BlockTable`` per KV-cache group; HiSparse's
+    layout turns vLLM's one group into 2 + 2n (+ other), and the device half
+    of each extra one (table + slot mapping) is in the reserve."""
+    b = bind(**case)
+    table = BlockTable(
+        block_size=B, max_num_reqs=b.limits.max_num_seqs,
+        max_num_blocks_per_req=cdiv(b.max_model_len, B),
+        max_num_batched_tokens=b.limits.max_num_batched_tokens, pin_memory=False,
+        device=torch.device("cpu"), kernel_block_size=B, cp_kv_cache_interleave_size=1)
+    per_group = nbytes(table.block_table.gpu, table.slot_mapping.gpu)
+    extra = len(b.layout.kv_cache_groups) - 1
+    assert b.reserve().block_tables == extra * per_group
+
+
+def test_describe_names_every_item(bind):
+    """The startup line (6.4 style) gives the total and each item."""
+    reserve = bind().reserve()
+    line = reserve.describe()
+    mib = 1 << 20
+    assert line.startswith(
+        f"HiSparse: reserved {reserve.total / mib:.1f} MiB of GPU memory per worker "
+        "outside the KV pool, counted before KV sizing (in-slab staging "
+        f"{reserve.staging_blocks} blocks ")
+    for item in ("hot-slot state", "resolver workspace", "prefill staging cache",
+                 "mirror descriptors", "block tables of the HiSparse groups"):
+        assert item in line
+    assert reserve.total == (reserve.staging_bytes + reserve.worker_state
+                             + reserve.block_tables)

@@ -17,7 +17,6 @@ logprob difference.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -168,8 +167,8 @@ def compare_scenario(
 # ------------------------------------------------ sensitivity control
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None  # None: JSON has no NaN
 
 
 def sensitivity_figures(

@@ -153,3 +153,18 @@ def test_every_scenario_has_an_id():
         for s in plan:
             assert e2e.spec_ids(engine, s)
     assert dataclasses.is_dataclass(wl.Turn)
+
+
+def test_serve_check_runs_both_servers_on_the_forced_mqa_path():
+    import json as _json
+
+    import serve_check
+
+    on = serve_check.server_command(serve_check.Path("/m"), 1, hisparse=True)
+    off = serve_check.server_command(serve_check.Path("/m"), 2, hisparse=False)
+    off_attn = _json.loads(off[off.index("--attention-config") + 1])
+    assert off_attn == {"sparse_mla_force_mqa": True}
+    assert "hisparse_config" in _json.loads(on[on.index("--attention-config") + 1])
+    assert on[on.index("--num-gpu-blocks-override") + 1] == str(e2e.PRESSURE_BLOCKS[2048])
+    for cmd in (on, off):
+        assert cmd[cmd.index("--max-model-len") + 1] == str(e2e.MAX_MODEL_LEN)

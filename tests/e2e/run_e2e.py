@@ -29,7 +29,8 @@ so no copy would overlap a forward); ``on_c2k_audit`` runs it.
 
 usage: python3 tests/e2e/run_e2e.py --out DIR [--engines NAME,...]
            [--scenarios NAME,...] [--variant NAME] [--p2]
-Writes DIR/e2e.json (rewritten after every scenario) and the log to stdout.
+Writes DIR/e2e.json and DIR/e2e_records.json (rewritten after every
+scenario) and the log to stdout.
 """
 
 from __future__ import annotations
@@ -584,8 +585,14 @@ class Gate:
         self.failures: list[str] = []
 
     def save(self) -> None:
+        """e2e.json (readable) and e2e_records.json (every request's tokens,
+        logprob bits and schedule trace, compact)."""
         self.R["failures"] = self.failures
-        self.path.write_text(json.dumps(self.R, indent=1))
+        bulky = ("records", "traces")
+        self.path.write_text(json.dumps({k: v for k, v in self.R.items() if k not in bulky},
+                                        indent=1))
+        (self.out / "e2e_records.json").write_text(
+            json.dumps({k: self.R[k] for k in bulky}, separators=(",", ":")))
 
     def fail(self, what: str) -> None:
         self.failures.append(what)

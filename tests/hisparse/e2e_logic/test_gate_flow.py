@@ -159,7 +159,10 @@ def gate(tmp_path, monkeypatch):
         args = e2e.parse_args(["--out", str(out), "--stage", str(tmp_path),
                                "--engines", engines, "--scenarios", scenarios])
         rc = e2e.Gate(args).run()
-        return rc, json.loads((out / "e2e.json").read_text())
+        R = json.loads((out / "e2e.json").read_text())
+        assert "records" not in R
+        R.update(json.loads((out / "e2e_records.json").read_text()))
+        return rc, R
 
     return run
 

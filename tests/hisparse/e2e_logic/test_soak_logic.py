@@ -280,3 +280,48 @@ def test_the_replay_tails_the_feed_across_partial_lines(tmp_path):
     writer.join()
     assert got == [0, 1, 2, 3]
     assert list(soak.tail(tmp_path / "never", time.time() + 0.2)) == []  # the deadline
+
+
+def test_the_replay_rebuilds_turns_from_the_feed_and_measures_the_floor(tmp_path):
+    """soak.replays on a stand-in engine: every fed request replayed with
+    its rebuilt prompt (a child's = parent prompt + parent output + new),
+    then the floor subset one at a time after a prefix-cache reset."""
+    import time
+    from types import SimpleNamespace
+
+    from test_gate_flow import FakeLLM
+
+    class Recording(FakeLLM):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.seen, self.resets = [], 0
+
+        def enqueue(self, prompts, params, use_tqdm=False):
+            self.seen.append([p["prompt_token_ids"] for p in prompts])
+            return super().enqueue(prompts, params, use_tqdm)
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+            return True
+
+    FakeLLM.skew = {}
+    llm = Recording(attention_config=SimpleNamespace(hisparse_config=None),
+                    max_num_batched_tokens=2048, max_model_len=16384)
+    compact = {"a": {"id": "a", "conv": "c0", "turn": 0, "parent": None, "new": [5, 6],
+                     "max_tokens": 2},
+               "b": {"id": "b", "conv": "c0", "turn": 1, "parent": "a", "new": [7],
+                     "max_tokens": 3},
+               "c": {"id": "c", "conv": "c1", "turn": 0, "parent": None, "new": [8, 9, 10],
+                     "max_tokens": 2}}
+    outputs = {"a": [11, 12], "b": [13, 14, 15], "c": [16, 17]}
+    feed = soak.Feed(tmp_path / "feed.jsonl")
+    for rid in "abc":
+        feed.add({"id": rid, "compact": compact[rid], "record": {"tokens": outputs[rid]}})
+    feed.end()
+    out = soak.replays(llm, tmp_path / "feed.jsonl",
+                       SimpleNamespace(deadline=time.time() + 60, floor_requests=2))
+    assert out["aborted"] is None and out["received"] == 3
+    assert set(out["main"]) == {"a", "b", "c"} and set(out["floor"]) == {"a", "b"}
+    assert llm.seen[0] == [[5, 6], [5, 6, 11, 12, 7], [8, 9, 10]]  # one batch, as fed
+    assert llm.seen[1:] == [[[5, 6]], [[5, 6, 11, 12, 7]]] and llm.resets == 1
+    assert all(len(out["main"][r]["tokens"]) == compact[r]["max_tokens"] for r in "abc")

@@ -176,7 +176,14 @@ def status_of(pid: int | None) -> dict[str, int]:
 async def idle_state(server: Server, http) -> dict:
     """What must be the same before and after the load: the pools reset
     (retried while in-flight offloads still hold blocks), usage 0, nothing
-    running, the engine core's locked/pinned memory."""
+    running, the engine core's locked/pinned memory.
+
+    The usage gauge is published with each step's stats, so an idle engine
+    keeps showing its last step: a 1-token probe request runs first, and
+    its finish publishes the pool as it is then."""
+    probe = await http.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0})
+    await asyncio.sleep(1)  # the stats of the probe's last step
     reset, attempts = False, 0
     while not reset and attempts < 15:
         attempts += 1
@@ -186,7 +193,8 @@ async def idle_state(server: Server, http) -> dict:
             await asyncio.sleep(1)
     metrics = logic.parse_metrics((await http.get(f"{server.url}/metrics")).text)
     pid = server.engine_pid()
-    return {"reset_prefix_cache": reset, "reset_attempts": attempts,
+    return {"probe_status": probe.status_code,
+            "reset_prefix_cache": reset, "reset_attempts": attempts,
             "kv_cache_usage_perc": metrics.get("vllm:kv_cache_usage_perc"),
             "running": metrics.get("vllm:num_requests_running"),
             "waiting": metrics.get("vllm:num_requests_waiting"),
@@ -515,6 +523,10 @@ async def soak(a) -> dict:
                                   "gpu_blocks": GPU_BLOCKS}
             results = load.results
         report["log"] = logic.scan_log(server.log_text())
+    except BaseException:
+        if replay is not None:
+            replay.kill()  # it would hold the GPU until its deadline
+        raise
     finally:
         server_alive = server.alive()
         server.stop()

@@ -79,9 +79,13 @@ def make_app(state: dict) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
+        positions = fake_model(body["prompt"], body["max_tokens"])
+        if "logprobs" not in body:  # the soak's idle probe
+            state["probes"] += 1
+            return JSONResponse({"choices": [{"index": 0, "text": "x",
+                                              "finish_reason": "length"}]})
         assert body["logprobs"] == 5 and body["temperature"] == 0 and body["ignore_eos"]
         assert body["return_token_ids"] and body["return_tokens_as_token_ids"]
-        positions = fake_model(body["prompt"], body["max_tokens"])
         state["requests"] += 1
         if not body.get("stream"):
             await asyncio.sleep(PLAIN_DELAY)
@@ -116,7 +120,8 @@ class FakeServer:
     """The app on a uvicorn thread; ``url``, ``state``, ``stop()``."""
 
     def __init__(self, port: int) -> None:
-        self.state = {"usage": 0.0, "running": 0, "requests": 0, "disconnects": 0}
+        self.state = {"usage": 0.0, "running": 0, "requests": 0, "disconnects": 0,
+                      "probes": 0}
         self.url = f"http://127.0.0.1:{port}"
         config = uvicorn.Config(make_app(self.state), host="127.0.0.1", port=port,
                                 log_level="warning")

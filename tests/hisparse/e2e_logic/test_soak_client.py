@@ -92,6 +92,7 @@ def test_completed_answers_equal_a_replay_of_their_prompts(run):
 
 
 def test_idle_state_after_the_drain(run):
-    _, _, idle, _, _ = run
+    _, _, idle, _, state = run
+    assert idle["probe_status"] == 200 and state["probes"] == 1
     assert idle["reset_prefix_cache"] and idle["kv_cache_usage_perc"] == 0.0
     assert idle["running"] == 0.0 and idle["engine_pid"] == 1

@@ -437,8 +437,11 @@ def generate_records(llm, prompts: list[list[int]], max_tokens: list[int],
     requests are aborted through the engine (output processor and
     scheduler), so the engine stays usable for the next scenario."""
     engine, sched = llm.llm_engine, core(llm).scheduler
-    ids = llm.enqueue([{"prompt_token_ids": p} for p in prompts],
-                      [sampling(n) for n in max_tokens], use_tqdm=False)
+    internal = llm.enqueue([{"prompt_token_ids": p} for p in prompts],
+                           [sampling(n) for n in max_tokens], use_tqdm=False)
+    # enqueue returns internal ids (LLM's counter + "-" + 8 random chars,
+    # InputProcessor.assign_request_id); outputs and aborts use the counter.
+    ids = [i.split("-", 1)[0] for i in internal]
     preempted_before = getattr(sched, "_hs_preemptions", 0)
     done: dict[str, object] = {}
     why = None

@@ -152,9 +152,13 @@ def rederive_absorbed(model) -> int:
     kv_b_proj.weight.T viewed [L, N, P + V], split into W_UK, W_UV; W_UV is
     stored [N, L, V], W_UK_T [N, P, L]). Absent before that ran (plugin
     path): nothing to do."""
+    import torch
+
     n = 0
     for module in model.modules():
-        if not all(hasattr(module, a) for a in (*DERIVED, "kv_b_proj")):
+        absorbed = [getattr(module, a, None) for a in DERIVED]
+        if not hasattr(module, "kv_b_proj") or not all(
+                isinstance(t, torch.Tensor) for t in absorbed):
             continue
         w = module.kv_b_proj.weight
         kv = w.T.reshape(module.kv_lora_rank, module.num_heads,

@@ -79,12 +79,14 @@ class FakeLLM:
 
     # ----------------------------------------------------------- engine
     def enqueue(self, prompts, params, use_tqdm=False):
+        """Returns internal ids, as vLLM 0.26 (the external id + "-" + 8
+        random characters); outputs and aborts use the external ones."""
         ids = []
         for p, sp in zip(prompts, params):
             rid = str(self.counter)
             self.counter += 1
             self.pending[rid] = (p["prompt_token_ids"], sp)
-            ids.append(rid)
+            ids.append(f"{rid}-1a2b3c4d")
         return ids
 
     def next_schedule(self) -> dict:

@@ -640,8 +640,8 @@ class Gate:
             self.save()
             return
         rec["init_s"] = round(time.time() - t0, 1)
-        rec["defaults"] = resolved_defaults(llm)
         try:
+            rec["defaults"] = resolved_defaults(llm)
             self.prepare(llm, name, spec, rec)
             for scenario in plan:
                 if not self.run_one(llm, name, spec, scenario):

@@ -3,9 +3,10 @@
 
 config.json + an offline WordLevel tokenizer (spec 8.4). Weights are not
 written here: the e2e driver loads vLLM's dummy weights and re-initialises
-every matrix N(0, 0.02) with a fixed seed (both arms get identical bytes;
-the dummy weights alone are degenerate, targets T1), and can save them as a
-sharded-state checkpoint for `vllm serve`. MLA and indexer dims are GLM-5's
+them with tests/e2e/seeded_init.py (norms 1, matrices seeded N(0, std); both
+arms get identical bytes; the dummy weights alone are degenerate, targets
+T1); `vllm serve` gets the same through the hisparse_seeded load format
+(tests/e2e/seeded_weights). MLA and indexer dims are GLM-5's
 (kv_lora_rank 512 + rope 64 = 576, index head dim 128): the FlashMLA sparse
 kernels hard-code them.
 

@@ -1,25 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End-to-end HiSparse tests on a tiny GLM-5-architecture model (spec 8.4).
+"""End-to-end HiSparse gate on a tiny GLM-5-architecture model (spec 8.4, T1).
 
 Runs ON the GPU host (scripts/test-gpu.sh tier ``e2e``) with the patched
 vLLM and the hisparse_ops kernels importable. Every engine runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with vLLM's defaults left on
 (async scheduling, the default CUDA-graph mode) unless the engine names a
-mode. Both arms of a comparison load identical weights (vLLM's dummy
-weights re-initialised N(0, 0.02) with a fixed seed) and run the same
-requests in the same order, so their greedy tokens must be identical
-(target T1). HiSparse-on engines run under real memory pressure (a small GPU
-pool), and the same run proves it with counters (lost pages, hot misses,
-completed spills) and the mirror audit (VLLM_HISPARSE_DEBUG=1: every host row
-a step wrote equals its resident row, every layer).
+mode. HiSparse-on engines (under real memory pressure: a small GPU pool)
+are compared with HiSparse off on the same prefill path
+(``sparse_mla_force_mqa=True``, which HiSparse forces), the same mode, the
+same seeded weights and the same requests:
 
-usage: python3 tests/e2e/run_e2e.py --out DIR [--engines NAME,...] [--quick]
-Writes DIR/e2e.json (appended after every engine) and DIR/e2e.log.
+- greedy tokens identical, always; every sampled token's logprob and the
+  top-5 bitwise equal wherever both arms ran the same schedule (the
+  multiset of per-request token counts of every step); where the schedule
+  differed the report says so, with the largest logprob difference
+  (e2e_compare.py);
+- controls that show the comparison can fail, recorded beside the results:
+  the sensitivity control (replacing the early 40% of a prompt changes the
+  greedy tokens of most prompts on the chosen seeded init, measured in the
+  run's first HiSparse-off engine) and the negative control (a debug-only
+  corruption of one host-only page, armed as a pressure engine's last
+  scenario, is reported as a divergence);
+- pressure proven per scenario with counters (lost pages, hot misses,
+  completed spills, 0 preemptions, the scheduler's in-flight waits).
+
+Pressure engines run without the mirror audit (it synchronizes every step,
+so no copy would overlap a forward); ``on_c2k_audit`` runs it.
+
+usage: python3 tests/e2e/run_e2e.py --out DIR [--engines NAME,...]
+           [--scenarios NAME,...] [--variant NAME] [--p2]
+Writes DIR/e2e.json and DIR/e2e_records.json (rewritten after every
+scenario) and the log to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -30,130 +48,200 @@ import time
 import traceback
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+# Workers of a TP engine import seeded_init by name (apply_model pickles it
+# by reference).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-HERE = Path(__file__).resolve().parent
-VOCAB = 8192
-SEED = 1234
-BLOCK = 64
+import e2e_compare as compare  # noqa: E402
+import e2e_workload as workload  # noqa: E402
+import seeded_init  # noqa: E402
+
+DEBUG_ENV = "VLLM_HISPARSE_DEBUG"
+FAULTS_ENV = "VLLM_HISPARSE_DEBUG_FAULTS"
 
 # ---------------------------------------------------------------- engines
 
-MAX_MODEL_LEN = 8192
-BATCHED_TOKENS = 512
+MAX_MODEL_LEN = 16384  # the tiny model's max_position_embeddings
+CHUNKS = (2048, 8192)  # max_num_batched_tokens; 8192 is vLLM's default
 BASE = dict(
     dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_MODEL_LEN,
-    max_num_seqs=8, max_num_batched_tokens=BATCHED_TOKENS, seed=0,
-    generation_config="vllm", enable_prefix_caching=True, load_format="dummy",
+    max_num_seqs=8, seed=0, generation_config="vllm",
+    enable_prefix_caching=True, load_format="dummy",
 )
-# HiSparse under pressure: 4 layers of 656-B rows in 4 resident/hot pairs,
-# so a page costs 5 blocks fully resident; 340 blocks hold 68 pages (a 6K
-# prompt is 94).
-PRESSURE_BLOCKS = 340
+OFF_KV_BYTES = 2 << 30  # HiSparse off: ~680K tokens, nothing preempted
+NUM_PAIRS = 4  # resident/hot group pairs of the 4-layer model (656-B rows)
+INDEX_TOPK = 256
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def startup_minimum_blocks(max_model_len: int, chunk: int, pairs: int = NUM_PAIRS,
+                           topk: int = INDEX_TOPK, block: int = 64) -> int:
+    """The smallest GPU pool the startup check admits: one max_model_len
+    request's admission cost (layout.RequestBlocks.admission): its indexer
+    pages, min(pages, cap_res) per resident group (cap_res = the window
+    min(admission_max_tokens = chunk, max_model_len) in pages + the 2-page
+    tail) and a hot region per hot group (H = 2 x top-k rows)."""
+    pages = cdiv(max_model_len, block)
+    cap_res = cdiv(min(chunk, max_model_len), block) + 2
+    return pages + pairs * min(pages, cap_res) + pairs * cdiv(2 * topk, block)
+
+
+# A little above the minimum (424 at 2048, 808 at 8192): a 6K prompt
+# fully resident costs 94 x 5 = 470 blocks, a 12K one 940.
+PRESSURE_BLOCKS = {2048: 450, 8192: 840}
+# E2E-9: 320 host blocks of 4 x 64 x 656 B (>= one 16K request's 256); the
+# long_outputs requests together need ~344.
+HOSTEX_GIB = 320 * NUM_PAIRS * 64 * 656 / (1 << 30)
 MODES = {
     "default": {},
     "eager": {"enforce_eager": True},
     "fdo": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
 }
+OFFLOAD = {"cpu_bytes_to_use": 1 << 30}
 
 
 def engine_specs() -> dict[str, dict]:
-    """name -> {model, mode, hisparse: None | dict, extra kwargs}."""
-    offload = {"cpu_bytes_to_use": 1 << 30}
-    on = lambda **kw: {"host_pool_gib": 2, **kw}  # noqa: E731
+    """name -> {model, mode, chunk, hisparse: None | dict, blocks, offload,
+    audit, kind, no_pressure, hot, tp}."""
+    def off(model="glm", mode="default", chunk=2048, tp=1):
+        return dict(model=model, mode=mode, chunk=chunk, hisparse=None, tp=tp)
+
+    def on(model="glm", mode="default", chunk=2048, blocks="pressure", offload=False,
+           audit=False, kind="pressure", tp=1, **hisparse):
+        return dict(model=model, mode=mode, chunk=chunk,
+                    hisparse={"host_pool_gib": 2, **hisparse},
+                    blocks=PRESSURE_BLOCKS[chunk] if blocks == "pressure" else blocks,
+                    offload=offload, audit=audit, kind=kind, tp=tp)
+
     return {
-        "off_default": dict(model="glm", mode="default", hisparse=None),
-        "on_default": dict(model="glm", mode="default", hisparse=on(),
-                           offload=offload, blocks=PRESSURE_BLOCKS),
-        "on_lazy": dict(model="glm", mode="default",
-                        hisparse=on(eager_host_mirror=False), blocks=PRESSURE_BLOCKS),
-        "on_hostex": dict(model="glm", mode="default", hisparse=on(host_pool_gib=0.0215),
-                          blocks=PRESSURE_BLOCKS),
-        # No pressure: ample blocks, and a resident window that holds the
-        # whole prompt (admission_max_tokens), so no hot region is needed.
-        "on_nopressure": dict(model="glm", mode="default",
-                              hisparse=on(admission_max_tokens=16384)),
-        "off_eager": dict(model="glm", mode="eager", hisparse=None),
-        "on_eager": dict(model="glm", mode="eager", hisparse=on(), blocks=PRESSURE_BLOCKS),
-        "off_fdo": dict(model="glm", mode="fdo", hisparse=None),
-        "on_fdo": dict(model="glm", mode="fdo", hisparse=on(), blocks=PRESSURE_BLOCKS),
-        "off_share": dict(model="glm_share", mode="default", hisparse=None),
-        "on_share": dict(model="glm_share", mode="default", hisparse=on(),
-                         offload=offload, blocks=PRESSURE_BLOCKS),
-        # E2E-10, two GPUs: TP = 2 with one host pool shared by both ranks
-        # (rank 0 writes, rank 1 reads), against the TP = 2 baseline. Run
-        # only when named (--engines off_tp2,on_tp2).
-        "off_tp2": dict(model="glm", mode="default", hisparse=None, tp=2),
-        "on_tp2": dict(model="glm", mode="default", hisparse=on(), offload=offload,
-                       blocks=PRESSURE_BLOCKS, tp=2),
+        "off_c2k": off(),
+        "on_c2k": on(offload=True),
+        "on_c2k_audit": on(offload=True, audit=True),
+        "on_lazy": on(eager_host_mirror=False),
+        "on_hostex": on(kind="hostex", host_pool_gib=HOSTEX_GIB),
+        # No pressure: ample blocks and a resident window holding any prompt.
+        # Host-prefix hits (returning) start zero-resident; with room to
+        # spare their pages are restored to resident blocks (adopted).
+        "on_nopressure": dict(on(blocks=None, kind="nopressure",
+                                 admission_max_tokens=MAX_MODEL_LEN), adopt=["returning"]),
+        "off_c8k": off(chunk=8192),
+        # At chunk 8192 the startup minimum (808) exceeds a fully resident
+        # 6K request (502 with its hot region): no pressure by construction.
+        "on_c8k": dict(on(chunk=8192, offload=True), no_pressure=["single6k"]),
+        "off_eager": off(mode="eager"),
+        "on_eager": on(mode="eager"),
+        "off_fdo": off(mode="fdo"),
+        "on_fdo": on(mode="fdo"),
+        "off_share": off(model="glm_share"),
+        "on_share": on(model="glm_share", offload=True),
+        # E2E-10, two GPUs: one host pool shared by both ranks (rank 0 writes).
+        "off_tp2": off(tp=2),
+        "on_tp2": on(offload=True, tp=2),
     }
 
 
-# Scenarios each engine runs, in order (the same order in both arms).
-PLAN = {
-    "off_default": ["single", "concurrent", "host_prefix", "long_outputs", "p2"],
-    "on_default": ["single", "concurrent", "host_prefix"],
-    "on_lazy": ["single"],
-    "on_hostex": ["long_outputs"],
-    "on_nopressure": ["single", "p2"],
-    "off_eager": ["single"],
-    "on_eager": ["single"],
-    "off_fdo": ["single", "concurrent"],
-    "on_fdo": ["single", "concurrent"],
-    "off_share": ["single", "host_prefix"],
-    "on_share": ["single", "host_prefix"],
-    "off_tp2": ["single", "concurrent", "host_prefix"],
-    "on_tp2": ["single", "concurrent", "host_prefix"],
-}
-# Which reference each HiSparse engine is compared with (same model, mode).
 REFERENCE = {
-    "on_default": "off_default", "on_lazy": "off_default", "on_hostex": "off_default",
-    "on_nopressure": "off_default", "on_eager": "off_eager", "on_fdo": "off_fdo",
-    "on_share": "off_share", "on_tp2": "off_tp2",
+    "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_lazy": "off_c2k",
+    "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
+    "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
+    "on_tp2": "off_tp2",
 }
-SPEC_IDS = {
-    ("on_default", "single"): "E2E-1", ("on_default", "concurrent"): "E2E-2",
-    ("on_default", "host_prefix"): "E2E-4,E2E-7", ("on_fdo", "single"): "E2E-3",
-    ("on_fdo", "concurrent"): "E2E-3", ("on_eager", "single"): "E2E-1,E2E-3",
-    ("on_lazy", "single"): "E2E-6", ("on_nopressure", "single"): "E2E-8",
-    ("on_hostex", "long_outputs"): "E2E-9", ("on_share", "single"): "E2E-1 (IndexShare)",
-    ("on_share", "host_prefix"): "E2E-4 (IndexShare)",
-    ("on_tp2", "single"): "E2E-10", ("on_tp2", "concurrent"): "E2E-10",
-    ("on_tp2", "host_prefix"): "E2E-10,E2E-4",
+SCENARIO_ORDER = ("single6k", "single12k", "short_topk", "concurrent", "host_prefix",
+                  "equal_followups", "long_outputs", "returning", "fault_probe")
+# HiSparse engines' scenarios. "returning" may hit F21 (staging capacity) and
+# "fault_probe" poisons the host prefix cache: each comes last where it runs.
+ON_PLAN = {
+    "on_c2k": ["single6k", "single12k", "short_topk", "concurrent", "host_prefix",
+               "equal_followups", "fault_probe"],
+    "on_c2k_audit": ["single6k", "concurrent", "host_prefix", "returning"],
+    "on_lazy": ["single6k", "concurrent"],
+    "on_hostex": ["long_outputs"],
+    "on_nopressure": ["single6k", "returning"],
+    "on_c8k": ["single6k", "single12k", "concurrent", "equal_followups", "returning"],
+    "on_eager": ["single6k"],
+    "on_fdo": ["single6k", "concurrent", "fault_probe"],
+    "on_share": ["single6k", "host_prefix"],
+    "on_tp2": ["single6k", "concurrent", "host_prefix"],
 }
+SCENARIO_IDS = {
+    "single6k": "E2E-1", "single12k": "E2E-1", "short_topk": "K9 (prompts <= top-k)",
+    "concurrent": "E2E-2", "host_prefix": "E2E-4,E2E-7", "long_outputs": "E2E-9",
+    "equal_followups": "K13 (uniform short chunks)", "returning": "F21, 4.13 (many returns)",
+    "fault_probe": "T1 negative control",
+}
+ENGINE_IDS = {
+    "on_c2k_audit": "F1 (mirror audit)", "on_lazy": "E2E-6", "on_nopressure": "E2E-8",
+    "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
+    "on_share": "IndexShare", "on_tp2": "E2E-10",
+}
+DEFAULT_ENGINES = ("off_c2k", "on_c2k", "on_c2k_audit", "on_lazy", "on_hostex",
+                   "off_c8k", "on_c8k")
 
 
-# --------------------------------------------------------------- prompts
+def spec_ids(engine: str, scenario: str) -> str:
+    tag = ENGINE_IDS.get(engine)
+    return SCENARIO_IDS[scenario] + (f" [{tag}]" if tag else "")
 
 
-def prompts(name: str) -> list[list[list[int]]]:
-    """Batches of prompts (token ids) of a scenario; seeded, so both arms
-    get the same ones. Each batch is one generate() call."""
-    rng = random.Random(f"{SEED}-{name}")
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(2, VOCAB) for _ in range(n)]
-
-    if name == "single":
-        return [[ids(6000)]]
-    if name == "concurrent":
-        return [[ids(n) for n in (2600, 3100, 3500, 2900)]]
-    if name == "long_outputs":
-        return [[ids(n) for n in (1900, 2000, 2100, 1950)]]
-    if name == "host_prefix":
-        a = ids(4000)
-        fillers = [ids(5200), ids(5200)]
-        # A alone, then two fillers that push A's GPU pages out, then A plus
-        # a suffix: a host prefix hit that starts zero-resident.
-        return [[a], [fillers[0]], [fillers[1]], [a + ids(700)]]
-    raise KeyError(name)
+def plan_for(engine: str, wanted: list[str]) -> list[str]:
+    """An ON engine's own plan; an OFF engine runs every scenario its
+    wanted dependents compare with, in SCENARIO_ORDER."""
+    if engine in ON_PLAN:
+        return list(ON_PLAN[engine])
+    need = {s for e in wanted if REFERENCE.get(e) == engine for s in ON_PLAN[e]}
+    return [s for s in SCENARIO_ORDER if s in need]
 
 
-MAX_TOKENS = {"single": 64, "concurrent": 48, "host_prefix": 48, "long_outputs": 900}
+def validate_engines(wanted: list[str], specs: dict) -> None:
+    """Known names; the first one is a HiSparse-off engine (it measures the
+    sensitivity control and fixes the weights of the run); every HiSparse
+    engine's reference comes before it."""
+    unknown = [e for e in wanted if e not in specs]
+    if unknown:
+        raise ValueError(f"unknown engine(s) {unknown}; known: {', '.join(specs)}")
+    if not wanted:
+        raise ValueError("no engine to run")
+    if specs[wanted[0]]["hisparse"] is not None:
+        raise ValueError(f"the first engine ({wanted[0]}) must be a HiSparse-off engine: "
+                         "it measures the sensitivity control")
+    for i, e in enumerate(wanted):
+        ref = REFERENCE.get(e)
+        if ref is not None and ref not in wanted[:i]:
+            raise ValueError(f"{e} needs its reference {ref} earlier in --engines")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stage", default=os.environ.get("HISPARSE_STAGE", "/root/stage"))
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES))
+    ap.add_argument("--scenarios", default=None, help="limit to these scenarios")
+    ap.add_argument("--variant", default=None,
+                    help="measure only this weight variant (default: all, in order)")
+    ap.add_argument("--p2", action="store_true",
+                    help="also time decode (P2) in off_c2k and on_nopressure")
+    ap.add_argument("--scenario-timeout", type=float, default=90.0,
+                    help="seconds before a scenario's requests are aborted")
+    a = ap.parse_args(argv)
+    a.engines = [e for e in a.engines.split(",") if e]
+    a.scenarios = set(a.scenarios.split(",")) if a.scenarios else None
+    validate_engines(a.engines, engine_specs())
+    if a.variant is not None:
+        seeded_init.variant(a.variant)
+    if a.scenarios is not None and a.scenarios - set(SCENARIO_ORDER):
+        raise ValueError(f"unknown scenario(s) {sorted(a.scenarios - set(SCENARIO_ORDER))}")
+    return a
 
 
 # -------------------------------------------------------------- helpers
@@ -163,26 +251,42 @@ def log(*parts: object) -> None:
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def reinit(model) -> int:
-    """Every float matrix N(0, 0.02) from one seeded generator (both arms
-    iterate the same parameters in the same order)."""
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(SEED)
-    n = 0
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dtype in (torch.bfloat16, torch.float16, torch.float32) and p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g, device=p.device,
-                                    dtype=torch.float32).mul_(0.02).to(p.dtype))
-                n += 1
-    return n
-
-
 def core(llm):
     """The in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     client = llm.llm_engine.engine_core
     return getattr(client, "engine_core", client)
+
+
+def instrument(llm) -> None:
+    """Count preemptions and external (offloaded) tokens in the scheduler,
+    and record its schedule trace (one entry per step that ran tokens)."""
+    sched = core(llm).scheduler
+    sched._hs_preemptions = 0
+    sched._hs_trace = []
+    preempt, schedule = sched._preempt_request, sched.schedule
+
+    def counted(*a, **kw):
+        sched._hs_preemptions += 1
+        return preempt(*a, **kw)
+
+    def traced(*a, **kw):
+        out = schedule(*a, **kw)
+        step = compare.trace_step(out.num_scheduled_tokens)
+        if step is not None:
+            sched._hs_trace.append(step)
+        return out
+
+    sched._preempt_request, sched.schedule = counted, traced
+    connector = getattr(sched, "connector", None)
+    if connector is not None:
+        connector._hs_external_tokens = 0
+        update = connector.update_state_after_alloc
+
+        def tracked(request, blocks, num_external_tokens):
+            connector._hs_external_tokens += int(num_external_tokens)
+            return update(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = tracked
 
 
 def scheduler_counters(llm) -> dict:
@@ -192,6 +296,7 @@ def scheduler_counters(llm) -> dict:
     out = {"preemptions": getattr(sched, "_hs_preemptions", 0)}
     if stats is not None:
         out.update({k: int(v) for k, v in vars(stats).items()})
+        out["scheduler_waits"] = compare.scheduler_waits(stats)
         out["pending_spills"] = len(coordinator.hisparse.pending_spills)
     connector = getattr(sched, "connector", None)
     out["external_tokens"] = getattr(connector, "_hs_external_tokens", 0)
@@ -202,6 +307,7 @@ def worker_counters(worker) -> dict:
     runtime = worker.model_runner.hisparse_runtime
     if runtime is None:
         return {}
+    from vllm.v1.hisparse.debug_faults import fault_status
     from vllm.v1.hisparse.worker import current_worker
 
     out = runtime.stats()
@@ -209,6 +315,7 @@ def worker_counters(worker) -> dict:
     if data_plane is not None:
         out["audit_rows_checked"] = data_plane.audit_rows_checked
         out["audit_mismatches"] = data_plane.audit_mismatches
+        out["fault_fired"] = fault_status()["fired"]
         events = data_plane.host_write
         for name in ("exact_waits", "early_steps"):  # a shared pool's reader
             if hasattr(events, name):
@@ -239,58 +346,64 @@ def delta(after: dict, before: dict) -> dict:
     return {k: (v - before.get(k, 0) if isinstance(v, int) else v) for k, v in after.items()}
 
 
-def instrument(llm) -> None:
-    """Count preemptions and external (offloaded) tokens in the scheduler."""
-    sched = core(llm).scheduler
-    sched._hs_preemptions = 0
-    preempt = sched._preempt_request
-
-    def counted(*a, **kw):
-        sched._hs_preemptions += 1
-        return preempt(*a, **kw)
-
-    sched._preempt_request = counted
-    connector = getattr(sched, "connector", None)
-    if connector is not None:
-        connector._hs_external_tokens = 0
-        update = connector.update_state_after_alloc
-
-        def tracked(request, blocks, num_external_tokens):
-            connector._hs_external_tokens += int(num_external_tokens)
-            return update(request, blocks, num_external_tokens)
-
-        connector.update_state_after_alloc = tracked
+@contextlib.contextmanager
+def scoped_env(values: dict[str, str]):
+    """Env vars read at engine startup (the worker reads the debug flags in
+    its constructor), removed again afterwards."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-def make_llm(spec: dict, model_dirs: dict):
-    from vllm import LLM
+def engine_env(spec: dict, plan: list[str]) -> dict[str, str]:
+    env = {}
+    if spec["hisparse"] is not None and spec.get("audit"):
+        env[DEBUG_ENV] = "1"
+    if spec["hisparse"] is not None and "fault_probe" in plan:
+        env[FAULTS_ENV] = "1"
+    return env
+
+
+def llm_kwargs(spec: dict, model_dirs: dict) -> dict:
+    """LLM(...) keyword arguments of an engine (plain values and configs)."""
     from vllm.config import AttentionConfig, KVTransferConfig
     from vllm.config.hisparse import HiSparseConfig
 
-    kw = dict(BASE, model=str(model_dirs[spec["model"]]), **MODES[spec["mode"]])
+    kw = dict(BASE, model=str(model_dirs[spec["model"]]),
+              max_num_batched_tokens=spec["chunk"], **MODES[spec["mode"]])
     if spec.get("tp", 1) > 1:
         kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec["hisparse"] is None:
-        kw["kv_cache_memory_bytes"] = 2 << 30
+        # The prefill path HiSparse forces (K9), set explicitly in the off arm.
+        kw["attention_config"] = AttentionConfig(sparse_mla_force_mqa=True)
+        kw["kv_cache_memory_bytes"] = OFF_KV_BYTES
+        return kw
+    kw["attention_config"] = AttentionConfig(
+        hisparse_config=HiSparseConfig(**spec["hisparse"]))
+    if spec.get("blocks"):
+        kw["num_gpu_blocks_override"] = spec["blocks"]
     else:
-        kw["attention_config"] = AttentionConfig(
-            hisparse_config=HiSparseConfig(**spec["hisparse"]))
-        if spec.get("blocks"):
-            kw["num_gpu_blocks_override"] = spec["blocks"]
-        else:
-            kw["kv_cache_memory_bytes"] = 2 << 30
-        if spec.get("offload"):
-            kw["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both",
-                kv_connector_extra_config={"spec_name": "TieringOffloadingSpec",
-                                           **spec["offload"]})
-    return LLM(**kw), kw
+        kw["kv_cache_memory_bytes"] = OFF_KV_BYTES
+    if spec.get("offload"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", **OFFLOAD})
+    return kw
 
 
 def resolved_defaults(llm) -> dict:
     vc = llm.llm_engine.vllm_config
     return {
         "async_scheduling": bool(vc.scheduler_config.async_scheduling),
+        "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+        "max_model_len": vc.model_config.max_model_len,
         "cudagraph_mode": str(vc.compilation_config.cudagraph_mode),
         "compilation_mode": str(vc.compilation_config.mode),
         "kv_connector": vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None,
@@ -299,15 +412,99 @@ def resolved_defaults(llm) -> dict:
     }
 
 
-def run_scenario(llm, name: str) -> list[list[int]]:
+def sampling(max_tokens: int):
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[name], ignore_eos=True)
-    tokens: list[list[int]] = []
-    for batch in prompts(name):
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
-        tokens += [list(o.outputs[0].token_ids) for o in outs]
-    return tokens
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          logprobs=compare.TOP_LOGPROBS, detokenize=False)
+
+
+class ScenarioAborted(Exception):
+    """The scenario's requests were aborted (the engine stays usable)."""
+
+
+PREEMPTION_STORM = 200
+"""Preemptions within one scenario that mean a livelock (a healthy run has
+0; host exhaustion a few): its requests are aborted."""
+
+
+def generate_records(llm, prompts: list[list[int]], max_tokens: list[int],
+                     deadline: float) -> list[dict]:
+    """One generate() call; a record (tokens + logprob bits) per prompt.
+
+    LLM.generate's loop (enqueue, then step until done) with two exits: past
+    ``deadline``, or after PREEMPTION_STORM preemptions, the unfinished
+    requests are aborted through the engine (output processor and
+    scheduler), so the engine stays usable for the next scenario."""
+    engine, sched = llm.llm_engine, core(llm).scheduler
+    internal = llm.enqueue([{"prompt_token_ids": p} for p in prompts],
+                           [sampling(n) for n in max_tokens], use_tqdm=False)
+    # enqueue returns internal ids (LLM's counter + "-" + 8 random chars,
+    # InputProcessor.assign_request_id); outputs and aborts use the counter.
+    ids = [i.split("-", 1)[0] for i in internal]
+    preempted_before = getattr(sched, "_hs_preemptions", 0)
+    done: dict[str, object] = {}
+    why = None
+    while engine.has_unfinished_requests():
+        storm = getattr(sched, "_hs_preemptions", 0) - preempted_before >= PREEMPTION_STORM
+        if why is None and (storm or time.time() > deadline):
+            why = f"{PREEMPTION_STORM} preemptions (livelock)" if storm else "deadline"
+            engine.abort_request([i for i in ids if i not in done])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    if why is not None or len(done) != len(ids):
+        raise ScenarioAborted(f"aborted: {why or 'requests lost'}; "
+                              f"{len(done)} of {len(ids)} finished")
+    return [compare.record_from_output(done[i].outputs[0].token_ids,
+                                       done[i].outputs[0].logprobs) for i in ids]
+
+
+def run_scenario(llm, name: str, deadline: float) -> tuple[dict[str, dict], list]:
+    """Every call of the scenario in order; the records by request key
+    ("call/conversation") and the schedule trace."""
+    sched = core(llm).scheduler
+    sched._hs_trace = []
+    histories: dict[str, list[int]] = {}
+    records: dict[str, dict] = {}
+    for c, call in enumerate(workload.scenario(name)):
+        prompts = [workload.prompt_of(t, histories) for t in call]
+        recs = generate_records(llm, prompts, [t.max_tokens for t in call], deadline)
+        for t, p, r in zip(call, prompts, recs):
+            workload.record_turn(t, p, r["tokens"], histories)
+            records[f"{c}/{t.conv}"] = r
+    return records, list(sched._hs_trace)
+
+
+def apply_variant(llm, name: str) -> dict:
+    """Re-initialise the weights in place, then drop every cached prefix
+    (its KV came from other weights)."""
+    summary = llm.apply_model(functools.partial(seeded_init.apply, variant_name=name))[0]
+    summary["prefix_cache_reset"] = bool(llm.reset_prefix_cache())
+    return summary
+
+
+def measure_sensitivity(llm, names: list[str]) -> dict:
+    """The sensitivity control: per variant, 8 prompts and their twins with
+    the early 40% replaced, 16 greedy tokens each, in one engine."""
+    base, twins = workload.sensitivity_prompts()
+    steps, needed = workload.SENSITIVITY_STEPS, workload.SENSITIVITY_NEEDED
+    figures = []
+    for name in names:
+        t0 = time.time()
+        apply_variant(llm, name)
+        recs = generate_records(llm, base + twins, [steps] * (2 * len(base)),
+                                time.time() + 120)
+        fig = compare.sensitivity_figures(name, recs[:len(base)], recs[len(base):],
+                                          steps, needed)
+        fig["wall_s"] = round(time.time() - t0, 1)
+        figures.append(fig)
+        log("sensitivity", fig)
+    chosen, ok = compare.choose_variant(figures)
+    return {"criterion": f"replacing the first {workload.SENSITIVITY_FRACTION:.0%} of "
+                         f"{len(base)} prompts of {workload.SENSITIVITY_LEN} tokens changes "
+                         f"the greedy tokens within {steps} steps for >= {needed}",
+            "variants": figures, "chosen": chosen, "meets": ok}
 
 
 def p2(llm) -> dict:
@@ -316,10 +513,10 @@ def p2(llm) -> dict:
     import torch
     from vllm import SamplingParams
 
-    rng = random.Random(f"{SEED}-p2")
+    rng = random.Random(f"{workload.SEED}-p2")
     out = {}
     for batch in (1, 16):
-        ps = [{"prompt_token_ids": [rng.randrange(2, VOCAB) for _ in range(1000)]}
+        ps = [{"prompt_token_ids": [rng.randrange(2, workload.VOCAB) for _ in range(1000)]}
               for _ in range(batch)]
 
         def timed(n: int) -> float:
@@ -337,35 +534,6 @@ def p2(llm) -> dict:
     return out
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def checks_for(engine: str, scenario: str, c: dict) -> dict[str, bool]:
-    """What the scenario must prove beyond identical tokens."""
-    if engine == "on_nopressure":
-        return {"no_misses": c.get("misses", 0) == 0,
-                "no_hot_region": c.get("hot_regions_assigned", 0) == 0
-                and c.get("lost_pages", 0) == 0,
-                "no_preemption": c.get("preemptions", 0) == 0}
-    out = {"lost_pages": c.get("lost_pages", 0) > 0,
-           "hot_misses": c.get("misses", 0) > 0,
-           "spills_completed": c.get("spills_completed", 0) > 0}
-    if engine == "on_hostex":
-        out = {"preempted_on_host_exhaustion": c.get("preemptions", 0) > 0}
-    else:
-        out["no_preemption"] = c.get("preemptions", 0) == 0
-    if c.get("audit_rows_checked") is not None:
-        out["mirror_audit_rows"] = c.get("audit_rows_checked", 0) > 0
-        out["mirror_audit_clean"] = c.get("audit_mismatches", 0) == 0
-    if scenario == "host_prefix" and engine in ("on_default", "on_share", "on_tp2"):
-        out["offloader_loaded_indexer"] = c.get("external_tokens", 0) > 0
-    return out
-
-
 # ------------------------------------------------------------------ main
 
 
@@ -373,7 +541,8 @@ def make_models(stage: Path) -> dict[str, Path]:
     dirs = {"glm": stage / "tiny_glm5", "glm_share": stage / "tiny_glm5_share"}
     for name, path in dirs.items():
         if not (path / "config.json").exists():
-            args = [sys.executable, str(HERE / "make_tiny_glm5.py"), str(path)]
+            args = [sys.executable, str(HERE / "make_tiny_glm5.py"), str(path),
+                    "--max-pos", str(MAX_MODEL_LEN)]
             if name == "glm_share":
                 args += ["--index-topk-freq", "2"]
             subprocess.run(args, check=True)
@@ -401,119 +570,217 @@ def shutdown(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--stage", default=os.environ.get("HISPARSE_STAGE", "/root/stage"))
-    ap.add_argument("--engines", default=",".join(
-        n for n, spec in engine_specs().items() if spec.get("tp", 1) == 1))
-    ap.add_argument("--scenarios", default=None, help="limit to these scenarios")
-    a = ap.parse_args()
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result_path = out_dir / "e2e.json"
-    R: dict = {"command": " ".join(sys.argv), "engines": {}, "scenarios": [],
-               "tokens": {}}
-    if result_path.exists():
-        R = json.loads(result_path.read_text()) | {"command": " ".join(sys.argv)}
-    specs = engine_specs()
-    wanted = [e for e in a.engines.split(",") if e]
-    only = set(a.scenarios.split(",")) if a.scenarios else None
-    model_dirs = make_models(Path(a.stage))
-    import torch
-    import vllm
+class Gate:
+    """The run: engines in order, the shared weights, results in R."""
 
-    R["vllm_version"] = vllm.__version__
-    R["torch"] = torch.__version__
-    R["gpu"] = torch.cuda.get_device_name(0)
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.out = Path(a.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / "e2e.json"
+        self.specs = engine_specs()
+        self.R: dict = {"command": " ".join(sys.argv), "engines": {}, "scenarios": [],
+                        "records": {}, "traces": {}, "sensitivity": None,
+                        "negative_control": [], "startup_minimum_blocks": {
+                            c: startup_minimum_blocks(MAX_MODEL_LEN, c) for c in CHUNKS}}
+        self.variant: str | None = None
+        self.fingerprints: dict[str, dict] = {}
+        self.failures: list[str] = []
 
-    def save() -> None:
-        result_path.write_text(json.dumps(R, indent=1))
+    def save(self) -> None:
+        """e2e.json (readable) and e2e_records.json (every request's tokens,
+        logprob bits and schedule trace, compact)."""
+        self.R["failures"] = self.failures
+        bulky = ("records", "traces")
+        self.path.write_text(json.dumps({k: v for k, v in self.R.items() if k not in bulky},
+                                        indent=1))
+        (self.out / "e2e_records.json").write_text(
+            json.dumps({k: self.R[k] for k in bulky}, separators=(",", ":")))
 
-    failures = 0
-    for name in wanted:
-        spec = specs[name]
-        rec = R["engines"].setdefault(name, {})
-        rec["spec"] = spec
-        # The mirror audit synchronizes every step: on for the engines under
-        # pressure, off where decode is timed (P2).
-        debug = spec["hisparse"] is not None and "p2" not in PLAN[name]
-        if debug:
-            os.environ["VLLM_HISPARSE_DEBUG"] = "1"
-        log("engine", name, "start")
+    def fail(self, what: str) -> None:
+        self.failures.append(what)
+        log("FAIL", what)
+
+    # ------------------------------------------------------------ engine
+
+    def run(self) -> int:
+        import torch
+        import vllm
+
+        self.R.update(vllm_version=vllm.__version__, torch=torch.__version__,
+                      gpu=torch.cuda.get_device_name(0))
+        self.model_dirs = make_models(Path(self.a.stage))
+        for name in self.a.engines:
+            self.run_engine(name)
+        self.finish()
+        return 1 if self.failures else 0
+
+    def run_engine(self, name: str) -> None:
+        spec = self.specs[name]
+        if self.variant is None and spec["hisparse"] is not None:
+            self.fail(f"{name}: not run, the first (HiSparse-off) engine fixed no weights")
+            return
+        plan = [s for s in plan_for(name, self.a.engines)
+                if self.a.scenarios is None or s in self.a.scenarios]
+        if self.a.p2 and name in ("off_c2k", "on_nopressure"):
+            plan.append("p2")
+        rec = self.R["engines"].setdefault(name, {"spec": spec, "plan": plan})
+        log("engine", name, "start", plan)
         t0 = time.time()
         try:
-            llm, kw = make_llm(spec, model_dirs)
+            kw = llm_kwargs(spec, self.model_dirs)
+            rec["llm_kwargs"] = {k: str(v) for k, v in kw.items()}
+            from vllm import LLM
+
+            with scoped_env(engine_env(spec, plan)):
+                llm = LLM(**kw)
         except Exception:
             rec["error"] = traceback.format_exc()[-6000:]
-            log("engine", name, "FAILED to start\n", rec["error"])
-            failures += 1
-            save()
-            os.environ.pop("VLLM_HISPARSE_DEBUG", None)
-            continue
-        os.environ.pop("VLLM_HISPARSE_DEBUG", None)
+            self.fail(f"{name}: engine did not start")
+            self.save()
+            return
         rec["init_s"] = round(time.time() - t0, 1)
-        rec["llm_kwargs"] = {k: str(v) for k, v in kw.items()}
-        rec["defaults"] = resolved_defaults(llm)
         try:
-            rec["reinit_params"] = llm.apply_model(reinit)[0]
-            rec["host_pool_roles"] = llm.collective_rpc(host_pool_role)
-            instrument(llm)
+            rec["defaults"] = resolved_defaults(llm)
+            self.prepare(llm, name, spec, rec)
+            for scenario in plan:
+                if not self.run_one(llm, name, spec, scenario):
+                    rec["stopped_after"] = scenario  # an engine error: skip the rest
+                    break
         except Exception:
             rec["error"] = traceback.format_exc()[-6000:]
-            failures += 1
+            self.fail(f"{name}: {rec['error'].splitlines()[-1]}")
+        finally:
             shutdown(llm)
-            save()
-            continue
-        log("engine", name, "ready in", rec["init_s"], "s", rec["defaults"])
-        for scenario in PLAN[name]:
-            if only is not None and scenario not in only:
-                continue
-            entry = {"engine": name, "scenario": scenario,
-                     "spec_ids": SPEC_IDS.get((name, scenario))}
-            try:
-                if scenario == "p2":
-                    entry["p2"] = p2(llm)
-                    R.setdefault("p2", {})[name] = entry["p2"]
-                else:
-                    before = counters(llm)
-                    t1 = time.time()
-                    toks = run_scenario(llm, scenario)
-                    entry["wall_s"] = round(time.time() - t1, 1)
-                    entry["counters"] = delta(counters(llm), before)
-                    R["tokens"][f"{name}/{scenario}"] = toks
-                    entry["distinct_tokens"] = len({t for seq in toks for t in seq})
-                    ref = REFERENCE.get(name)
-                    ref_toks = R["tokens"].get(f"{ref}/{scenario}") if ref else None
-                    if ref:
-                        if ref_toks is None:
-                            entry["error"] = f"reference {ref}/{scenario} not run"
-                        else:
-                            entry["identical"] = ref_toks == toks
-                            entry["first_divergence"] = [
-                                first_divergence(x, y) for x, y in zip(ref_toks, toks)]
-                            entry["checks"] = checks_for(name, scenario, entry["counters"])
-                            if spec.get("tp", 1) > 1:
-                                entry["checks"]["one_shared_pool_one_writer"] = (
-                                    rec["host_pool_roles"] == [
-                                        {"shared": True, "writer": r == 0}
-                                        for r in range(spec["tp"])])
-                            entry["pass"] = entry["identical"] and all(
-                                entry["checks"].values())
-                            failures += not entry["pass"]
-            except Exception:
-                entry["error"] = traceback.format_exc()[-6000:]
-                failures += 1
-            log(name, scenario, {k: v for k, v in entry.items() if k != "error"},
-                entry.get("error", ""))
-            R["scenarios"].append(entry)
-            save()
-        shutdown(llm)
-        save()
-    R["failures"] = failures
-    save()
-    log("done, failures:", failures)
-    return 1 if failures else 0
+            self.save()
+
+    def prepare(self, llm, name: str, spec: dict, rec: dict) -> None:
+        """The run's weights (the sensitivity control in its first engine),
+        their fingerprint, the host pool roles, the instrumentation."""
+        if self.variant is None:
+            names = [self.a.variant] if self.a.variant else [v.name for v in seeded_init.VARIANTS]
+            sens = measure_sensitivity(llm, names)
+            sens["engine"] = name
+            self.R["sensitivity"] = sens
+            self.variant = sens["chosen"]
+            if not sens["meets"]:
+                self.fail(f"sensitivity control: no variant meets it ({sens['criterion']})")
+        rec["weights"] = apply_variant(llm, self.variant)
+        prints = llm.apply_model(seeded_init.fingerprint)
+        rec["weights_fingerprint"] = [p["digest"] for p in prints]
+        self.fingerprints[name] = {"key": (spec["model"], spec.get("tp", 1)), "prints": prints}
+        rec["host_pool_roles"] = llm.collective_rpc(host_pool_role)
+        instrument(llm)
+        log("engine", name, "ready in", rec["init_s"], "s", rec["defaults"],
+            "variant", self.variant)
+
+    # ---------------------------------------------------------- scenario
+
+    def run_one(self, llm, name: str, spec: dict, scenario: str) -> bool:
+        """Run and judge one scenario; False if the engine is unusable."""
+        entry = {"engine": name, "scenario": scenario,
+                 "spec_ids": spec_ids(name, scenario) if scenario != "p2" else "P2"}
+        ok = True
+        try:
+            if scenario == "p2":
+                entry["p2"] = p2(llm)
+            else:
+                self.measure(llm, name, scenario, entry)
+        except ScenarioAborted as err:
+            entry["error"] = str(err)  # aborted cleanly: the engine goes on
+            self.fail(f"{name}/{scenario}: {err}")
+        except Exception:
+            entry["error"] = traceback.format_exc()[-6000:]
+            self.fail(f"{name}/{scenario}: {entry['error'].splitlines()[-1]}")
+            ok = False
+        if name in REFERENCE and "error" not in entry and scenario != "p2":
+            self.judge(name, spec, scenario, entry)
+        log(name, scenario, {k: v for k, v in entry.items() if k != "error"},
+            entry.get("error", ""))
+        self.R["scenarios"].append(entry)
+        self.save()
+        return ok
+
+    def measure(self, llm, name: str, scenario: str, entry: dict) -> None:
+        fault = self.specs[name]["hisparse"] is not None and scenario == "fault_probe"
+        if fault:
+            from vllm.v1.hisparse.debug_faults import arm_host_row_fault
+
+            entry["armed"] = llm.collective_rpc(arm_host_row_fault)
+        t0 = time.time()
+        before = counters(llm)
+        records, trace = run_scenario(llm, scenario, t0 + self.a.scenario_timeout)
+        entry["wall_s"] = round(time.time() - t0, 1)
+        entry["counters"] = delta(counters(llm), before)
+        if fault:
+            from vllm.v1.hisparse.debug_faults import fault_status
+
+            entry["fault"] = llm.collective_rpc(fault_status)[0]
+        key = f"{name}/{scenario}"
+        self.R["records"][key], self.R["traces"][key] = records, trace
+        entry["distinct_tokens"] = len({t for r in records.values() for t in r["tokens"]})
+        entry["steps"] = len(trace)
+
+    def judge(self, name: str, spec: dict, scenario: str, entry: dict) -> None:
+        ref = f"{REFERENCE[name]}/{scenario}"
+        if ref not in self.R["records"]:
+            entry["error"] = f"reference {ref} not run"
+            self.fail(f"{name}/{scenario}: reference not run")
+            return
+        key = f"{name}/{scenario}"
+        cmp = compare.compare_scenario(self.R["records"][ref], self.R["records"][key],
+                                       self.R["traces"][ref], self.R["traces"][key])
+        entry["comparison"] = cmp
+        checks = compare.evaluate_checks(compare.expected_checks(spec, scenario),
+                                         entry["counters"])
+        if spec.get("tp", 1) > 1:
+            checks["one_shared_pool_one_writer"] = self.R["engines"][name][
+                "host_pool_roles"] == [{"shared": True, "writer": r == 0}
+                                       for r in range(spec["tp"])]
+        entry["checks"] = checks
+        if scenario == "fault_probe":
+            nc = compare.negative_control(cmp, entry.get("fault", {}))
+            nc["engine"] = name
+            entry["negative_control"] = nc
+            self.R["negative_control"].append(nc)
+            entry["pass"] = nc["pass"] and all(checks.values())
+        else:
+            entry["pass"] = cmp["pass"] and all(checks.values())
+        if not entry["pass"]:
+            self.fail(f"{name}/{scenario}: {cmp['note']}, checks "
+                      f"{[k for k, v in checks.items() if not v]}")
+
+    # ------------------------------------------------------------ finish
+
+    def finish(self) -> None:
+        """Run-level verdicts: the weights were identical in every engine of
+        a model; the negative controls that ran were detected."""
+        groups: dict = {}
+        for name, fp in self.fingerprints.items():
+            groups.setdefault(str(fp["key"]), []).append((name, fp["prints"]))
+        same = {}
+        for key, members in groups.items():
+            first_name, first = members[0]
+            differ = {n: seeded_init.differing_params(first, p) for n, p in members[1:]}
+            differ = {n: d for n, d in differ.items() if d}
+            same[key] = not differ
+            if differ:
+                self.fail(f"weights of {key} differ from {first_name}'s: {differ}")
+        self.R["weights_identical"] = same
+        ncs = self.R["negative_control"]
+        self.R["negative_control_detected"] = all(nc["pass"] for nc in ncs) if ncs else None
+        self.R["variant"] = self.variant
+        self.save()
+        log("done, failures:", len(self.failures), self.failures)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = parse_args(argv)
+    except ValueError as err:
+        print(f"run_e2e.py: {err}", file=sys.stderr)
+        return 2
+    return Gate(a).run()
 
 
 if __name__ == "__main__":

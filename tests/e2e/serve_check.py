@@ -4,7 +4,8 @@ to HiSparse off (issue: the user's command; spec 6.2).
 
 Runs ON the GPU host on the tiny GLM-5-architecture model directory that
 tests/e2e/run_e2e.py writes, with seeded weights (the test-only load format
-``hisparse_seeded`` of tests/e2e/seeded_weights). Starts two
+``hisparse_seeded`` of tests/e2e/seeded_weights, variant ``--variant``: the
+one the gate chose). Starts two
 OpenAI-compatible servers side by side on one GPU, vLLM's defaults left on:
 HiSparse off, and HiSparse on with
 
@@ -13,8 +14,10 @@ HiSparse off, and HiSparse on with
         "kv_both", "kv_connector_extra_config": {"spec_name":
         "TieringOffloadingSpec", "cpu_bytes_to_use": N}}'
 
-and a GPU pool small enough to force spills, then sends the same greedy
-completion requests to both and compares the answers.
+and a GPU pool small enough to force spills (HiSparse off with
+``--attention-config '{"sparse_mla_force_mqa": true}'``, the prefill path
+HiSparse forces), then sends the same greedy completion requests to both
+and compares the answers.
 
 usage: python3 tests/e2e/serve_check.py --out DIR [--model DIR]
 """
@@ -35,16 +38,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run_e2e import BATCHED_TOKENS, MAX_MODEL_LEN, PRESSURE_BLOCKS  # noqa: E402
+import seeded_init  # noqa: E402
+from run_e2e import MAX_MODEL_LEN, PRESSURE_BLOCKS  # noqa: E402
 
+CHUNK = 2048
 HISPARSE_FLAGS = [
     "--attention-config", json.dumps({"hisparse_config": {"host_pool_gib": 2}}),
     "--kv-transfer-config", json.dumps({
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
                                       "cpu_bytes_to_use": 1 << 30}}),
-    "--num-gpu-blocks-override", str(PRESSURE_BLOCKS),
+    "--num-gpu-blocks-override", str(PRESSURE_BLOCKS[CHUNK]),
 ]
+# HiSparse off on the prefill path HiSparse forces (docs/worker.md K9).
+OFF_FLAGS = ["--attention-config", json.dumps({"sparse_mla_force_mqa": True}),
+             "--kv-cache-memory-bytes", str(2 << 30)]
 
 
 def server_command(model: Path, port: int, hisparse: bool) -> list[str]:
@@ -52,14 +60,10 @@ def server_command(model: Path, port: int, hisparse: bool) -> list[str]:
            "--model", str(model), "--load-format", "hisparse_seeded",
            "--port", str(port), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
            "--max-model-len", str(MAX_MODEL_LEN),
-           "--max-num-batched-tokens", str(BATCHED_TOKENS),
+           "--max-num-batched-tokens", str(CHUNK),
            "--max-num-seqs", "8", "--seed", "0", "--generation-config", "vllm",
            "--gpu-memory-utilization", "0.3"]
-    if hisparse:
-        cmd += HISPARSE_FLAGS
-    else:
-        cmd += ["--kv-cache-memory-bytes", str(2 << 30)]
-    return cmd
+    return cmd + (HISPARSE_FLAGS if hisparse else OFF_FLAGS)
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -90,7 +94,10 @@ def main() -> int:
     ap.add_argument("--model", default=os.path.join(
         os.environ.get("HISPARSE_STAGE", "/root/stage"), "tiny_glm5"))
     ap.add_argument("--timeout", type=float, default=400)
+    ap.add_argument("--variant", default=seeded_init.DEFAULT_VARIANT,
+                    help="the weight variant the e2e gate chose (its e2e.json 'variant')")
     a = ap.parse_args()
+    seeded_init.variant(a.variant)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(a.model)
@@ -100,10 +107,12 @@ def main() -> int:
     plugin = str(HERE / "seeded_weights")
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(
-                   [plugin] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+                   [plugin] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               **{seeded_init.VARIANT_ENV: a.variant})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default
     procs = {}
-    result: dict = {"flags": HISPARSE_FLAGS, "requests": []}
+    result: dict = {"flags": HISPARSE_FLAGS, "off_flags": OFF_FLAGS, "variant": a.variant,
+                    "requests": []}
     try:
         for name, port, hisparse in (("off", 8101, False), ("on", 8102, True)):
             log = open(out / f"serve_{name}.log", "w")

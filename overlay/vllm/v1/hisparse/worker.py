@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.logger import init_logger
+from vllm.v1.hisparse import debug_faults
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.hisparse.runtime import HiSparseRuntime
 from vllm.v1.hisparse.tp_shared import HostSharing, ReaderHostWriteEvents, WriterLink
@@ -364,6 +365,7 @@ class HiSparseWorker:
         self._audit: tuple[np.ndarray, np.ndarray] | None = None
         self.audit_rows_checked = 0
         self.audit_mismatches = 0
+        self.fault_injector = debug_faults.from_env()
         self._closed = False
         g = runtime.geometry
         self._page_bytes = g.block_size * g.row_bytes
@@ -394,6 +396,8 @@ class HiSparseWorker:
         self.host_write.rotate(meta.step)
         if self._debug and self.writer:
             self._run_audit()
+        if self.fault_injector is not None and attn_metadata is not None:
+            self.fault_injector.maybe_fire(self)  # debug only (e2e negative control)
         if meta.cow_src.size:
             self._copy_on_write(meta.cow_src, meta.cow_dst)
         rt.apply_hot_regions(

@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the e2e gate compares and how it decides (pure Python: no vLLM, no
+torch; the GPU drivers feed it plain values).
+
+Per request the gate keeps every sampled token, that token's logprob and
+the top-5 (id, logprob) in rank order, logprobs as ``float.hex`` strings so
+that equality is equality of bit patterns (a float32 logprob converts to a
+Python float exactly). Per scenario it keeps the schedule trace: for every
+step that scheduled tokens, the multiset of per-request token counts, in
+step order. Where both arms' traces are equal the batches were the same, so
+the logprobs must be bitwise equal; where they differ (HiSparse may wait a
+step for in-flight copies, or admit fewer prefills under pressure) the
+numerics of batched kernels may differ, so only the tokens must still be
+identical, and the report says "schedule differed" with the largest
+logprob difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+TOP_LOGPROBS = 5
+
+# ------------------------------------------------------------- records
+
+
+def position_record(
+    token_id: int, entries: Mapping[int, tuple[float, int | None]]
+) -> list:
+    """One generated position: [sampled logprob, [[id, logprob], ...]] with
+    the top entries (rank 1..TOP_LOGPROBS) in rank order, floats as hex.
+
+    ``entries`` maps token id -> (logprob, rank), as vLLM's per-position
+    logprobs dict (it holds the top-k and the sampled token)."""
+    if token_id not in entries:
+        raise ValueError(f"the logprobs of a position lack its sampled token {token_id}")
+    top = sorted(
+        (rank, tid, lp) for tid, (lp, rank) in entries.items()
+        if rank is not None and rank <= TOP_LOGPROBS
+    )
+    return [float(entries[token_id][0]).hex(),
+            [[tid, float(lp).hex()] for _, tid, lp in top]]
+
+
+def record_from_output(token_ids: Sequence[int], logprobs: Iterable[Any]) -> dict:
+    """A request's record from vLLM's CompletionOutput fields (token_ids and
+    logprobs: per position a mapping id -> Logprob(logprob, rank))."""
+    tokens = [int(t) for t in token_ids]
+    positions = [
+        position_record(t, {int(i): (lp.logprob, lp.rank) for i, lp in pos.items()})
+        for t, pos in zip(tokens, logprobs)
+    ]
+    if len(positions) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(positions)} logprob positions")
+    return {"tokens": tokens, "positions": positions}
+
+
+def trace_step(num_scheduled_tokens: Mapping[str, int]) -> list[int] | None:
+    """A step of the schedule trace: the sorted per-request token counts,
+    or None for a step that scheduled nothing."""
+    counts = sorted(int(n) for n in num_scheduled_tokens.values() if n)
+    return counts or None
+
+
+# ---------------------------------------------------------- comparison
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass(frozen=True)
+class RequestDiff:
+    identical_tokens: bool
+    first_divergence: int | None
+    bitwise_logprobs: bool
+    max_abs_logprob_diff: float
+
+
+def _lp(h: str) -> float:
+    return float.fromhex(h)
+
+
+def _position_diff(ref: list, got: list, same_token: bool) -> tuple[bool, float]:
+    """(bitwise equal, max |diff|) of one position's sampled and top-k
+    logprobs; top entries are matched by token id."""
+    worst = abs(_lp(ref[0]) - _lp(got[0])) if same_token else 0.0
+    got_top = dict((tid, h) for tid, h in got[1])
+    for tid, h in ref[1]:
+        if tid in got_top:
+            worst = max(worst, abs(_lp(h) - _lp(got_top[tid])))
+    return same_token and ref == got, worst
+
+
+def compare_request(ref: dict, got: dict) -> RequestDiff:
+    """Tokens, then logprobs at every position whose context is shared: up
+    to and including the first diverging position (later positions follow
+    different tokens and compare nothing)."""
+    a, b = ref["tokens"], got["tokens"]
+    div = first_divergence(a, b)
+    last = min(len(a), len(b)) if div is None else min(div + 1, len(a), len(b))
+    bitwise = div is None and len(ref["positions"]) == len(got["positions"])
+    worst = 0.0
+    for i in range(last):
+        same, d = _position_diff(ref["positions"][i], got["positions"][i], a[i] == b[i])
+        bitwise &= same
+        worst = max(worst, d)
+    return RequestDiff(div is None, div, bitwise, worst)
+
+
+def trace_divergence(a: Sequence, b: Sequence) -> dict | None:
+    """Where two schedule traces first differ (for the report)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if list(x) != list(y):
+            return {"step": i, "reference": list(x), "hisparse": list(y)}
+    if len(a) != len(b):
+        i = min(len(a), len(b))
+        return {"step": i, "reference_steps": len(a), "hisparse_steps": len(b)}
+    return None
+
+
+def verdict(identical_tokens: bool, bitwise: bool, schedule_equal: bool) -> tuple[bool, str]:
+    """Tokens must be identical, always; logprobs bitwise wherever the two
+    arms ran the same batches."""
+    if not identical_tokens:
+        return False, "tokens differ"
+    if bitwise:
+        return True, "bitwise identical"
+    if schedule_equal:
+        return False, "logprobs differ under an equal schedule"
+    return True, "schedule differed"
+
+
+def compare_scenario(
+    ref: Mapping[str, dict], got: Mapping[str, dict],
+    ref_trace: Sequence, got_trace: Sequence,
+) -> dict:
+    """Both arms' records of one scenario (same request keys) and traces."""
+    if set(ref) != set(got):
+        raise ValueError(f"the arms ran different requests: {sorted(set(ref) ^ set(got))}")
+    diffs = {k: compare_request(ref[k], got[k]) for k in ref}
+    identical = all(d.identical_tokens for d in diffs.values())
+    bitwise = all(d.bitwise_logprobs for d in diffs.values())
+    schedule_equal = [list(s) for s in ref_trace] == [list(s) for s in got_trace]
+    ok, note = verdict(identical, bitwise, schedule_equal)
+    worst = max((d.max_abs_logprob_diff for d in diffs.values()), default=0.0)
+    return {
+        "identical_tokens": identical,
+        "bitwise_logprobs": bitwise,
+        "schedule_equal": schedule_equal,
+        "max_abs_logprob_diff": worst,
+        "note": note,
+        "pass": ok,
+        "requests": len(diffs),
+        "first_divergence": {k: d.first_divergence for k, d in diffs.items()
+                             if d.first_divergence is not None},
+        "schedule_divergence": trace_divergence(ref_trace, got_trace),
+        "steps": [len(ref_trace), len(got_trace)],
+    }
+
+
+# ------------------------------------------------ sensitivity control
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None  # None: JSON has no NaN
+
+
+def sensitivity_figures(
+    name: str, base: Sequence[dict], twins: Sequence[dict], steps: int, needed: int
+) -> dict:
+    """How often replacing the early part of a prompt changes the greedy
+    tokens within ``steps`` (the comparison can only see host-resident
+    context if the output depends on it)."""
+    divs = [first_divergence(b["tokens"][:steps], t["tokens"][:steps])
+            for b, t in zip(base, twins)]
+    changed = sum(d is not None for d in divs)
+    sampled = [_lp(p[0]) for r in base for p in r["positions"]]
+    first_pos = [abs(_lp(b["positions"][0][0]) - _lp(t["positions"][0][0]))
+                 for b, t in zip(base, twins) if b["tokens"][0] == t["tokens"][0]]
+    return {
+        "variant": name,
+        "changed": changed,
+        "of": len(divs),
+        "needed": needed,
+        "meets": changed >= needed,
+        "first_divergence": divs,
+        "distinct_tokens": len({t for r in base for t in r["tokens"]}),
+        "mean_sampled_logprob": _mean(sampled),
+        "mean_first_logprob_shift": _mean(first_pos),
+    }
+
+
+def choose_variant(figures: Sequence[dict]) -> tuple[str, bool]:
+    """The first variant meeting the criterion; otherwise the most
+    sensitive one, and False (the run fails)."""
+    for f in figures:
+        if f["meets"]:
+            return f["variant"], True
+    if not figures:
+        raise ValueError("no variant was measured")
+    best = max(figures, key=lambda f: f["changed"])
+    return best["variant"], False
+
+
+# ---------------------------------------------------- negative control
+
+
+def negative_control(comparison: dict, fault: Mapping[str, Any]) -> dict:
+    """The fault scenario's comparison must FAIL (the divergence is
+    reported) and the fault must have fired; else the comparison would have
+    missed a corrupted host row."""
+    fired = int(fault.get("fired", 0))
+    detected = not comparison["pass"]
+    return {"fired": fired, "detected": detected, "detected_by": comparison["note"],
+            "target": fault.get("last"), "pass": detected and fired > 0}
+
+
+# ------------------------------------------------------ pressure proof
+
+CHECKS = {
+    "lost_pages": lambda c: c.get("lost_pages", 0) > 0,
+    "hot_misses": lambda c: c.get("misses", 0) > 0,
+    "spills_completed": lambda c: c.get("spills_completed", 0) > 0,
+    "no_preemption": lambda c: c.get("preemptions", 0) == 0,
+    "preempted_on_host_exhaustion": lambda c: c.get("preemptions", 0) > 0,
+    "no_misses": lambda c: c.get("misses", 0) == 0,
+    "no_hot_region": lambda c: c.get("hot_regions_assigned", 0) == 0
+    and c.get("lost_pages", 0) == 0,
+    "offloader_loaded_indexer": lambda c: c.get("external_tokens", 0) > 0,
+    "mirror_audit_rows": lambda c: c.get("audit_rows_checked", 0) > 0,
+    "mirror_audit_clean": lambda c: c.get("audit_mismatches", 0) == 0,
+    "fault_fired": lambda c: c.get("fault_fired", 0) > 0,
+    "pages_adopted": lambda c: c.get("pages_adopted", 0) > 0,
+}
+PRESSURE = ("lost_pages", "hot_misses", "spills_completed", "no_preemption")
+OFFLOADED_HITS = ("host_prefix", "returning")
+ZERO_RESIDENT_RETURNS = ("host_prefix",)
+"""Its request fits the pool alone: its proof is the zero-resident return
+(hot misses on host rows, the offloaded indexer), not lost pages."""
+
+
+def expected_checks(spec: Mapping[str, Any], scenario: str) -> list[str]:
+    """What a HiSparse scenario must prove beyond the comparison.
+
+    ``spec`` keys: kind ("pressure" | "nopressure" | "hostex"), audit,
+    offload, and the scenarios exempt from pressure by construction
+    (``no_pressure``) or whose host-prefix hits are restored to resident
+    pages without pressure (``adopt``).
+    """
+    if scenario == "fault_probe":
+        return ["fault_fired"]
+    kind = spec.get("kind", "pressure")
+    if kind == "hostex":
+        names = ["preempted_on_host_exhaustion"]
+    elif kind == "nopressure":
+        names = (["pages_adopted", "no_preemption"] if scenario in spec.get("adopt", ())
+                 else ["no_misses", "no_hot_region", "no_preemption"])
+    elif scenario in spec.get("no_pressure", ()):
+        names = ["no_preemption"]
+    elif scenario in ZERO_RESIDENT_RETURNS:
+        names = [n for n in PRESSURE if n != "lost_pages"]
+    else:
+        names = list(PRESSURE)
+    if spec.get("audit"):
+        names += ["mirror_audit_rows", "mirror_audit_clean"]
+    if spec.get("offload") and scenario in OFFLOADED_HITS:
+        names.append("offloader_loaded_indexer")
+    return names
+
+
+def evaluate_checks(names: Sequence[str], counters: Mapping[str, Any]) -> dict[str, bool]:
+    return {n: bool(CHECKS[n](counters)) for n in names}
+
+
+WAIT_COUNTERS = ("waits_for_in_flight", "in_flight_waits", "steps_waited")
+"""Names the scheduler-side counter of steps HiSparse waited for in-flight
+copies may have (the first present is reported; 0 before it exists)."""
+
+
+def scheduler_waits(stats: Any) -> int:
+    for name in WAIT_COUNTERS:
+        if hasattr(stats, name):
+            return int(getattr(stats, name))
+    return 0
+
+
+def as_dict(diff: RequestDiff) -> dict:
+    return asdict(diff)

@@ -1,0 +1,652 @@
+# SPDX-License-Identifier: Apache-2.0
+"""R5 soak: `vllm serve` with the blog's two flags under pressure, driven by
+the OpenAI client, then compared with an off-arm replay (one device call).
+
+Runs ON the GPU host (after ``eval "$(scripts/test-gpu.sh --print-env)"``):
+
+1. starts ``python -m vllm.entrypoints.openai.api_server`` on the tiny
+   GLM-5 model with ``--attention-config '{"hisparse_config": ...}'``, the
+   OffloadingConnector ``--kv-transfer-config``, a small GPU pool
+   (``--num-gpu-blocks-override``), the seeded context-sensitive weights
+   (load format ``hisparse_seeded``) and ``VLLM_SERVER_DEV_MODE=1``;
+2. records the idle state: ``POST /reset_prefix_cache`` succeeds (HiSparse's
+   pool reset fails while any GPU or host block is in use),
+   ``vllm:kv_cache_usage_perc`` is 0, VmLck/VmPin/VmRSS of the engine core;
+3. starts the off-arm replay engine in a subprocess (it initialises during
+   the load);
+4. drives >= 6 minutes of seeded traffic (soak_logic.User): random think
+   times, prompts of 100 tokens to max_model_len (token ids), multi-turn
+   conversations (prefix hits), streamed and not, clients that disconnect
+   before the first token or mid-decode; /health and /metrics polled;
+5. drains, checks the idle state again and the server log, stops the server;
+6. the replay (HiSparse off, same weights, sparse_mla_force_mqa=True,
+   same chunking) reruns every completed request in turn-order waves, then
+   a subset again one request at a time after a prefix-cache reset: the off
+   arm's own batch-variance floor; plus the init's sensitivity control;
+7. writes DIR/soak.json: tokens must match exactly, logprobs are judged
+   bitwise and against the floor, no restart, no leak.
+
+usage: python3 tests/e2e/soak.py --out DIR [--duration 360] [--variant NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import seeded_init  # noqa: E402
+import soak_logic as logic  # noqa: E402
+
+PLUGIN = HERE / "seeded_weights"
+MAX_MODEL_LEN = 16384
+CHUNK = 2048
+MAX_NUM_SEQS = 8
+# Above the single-request livelock zone the CPU simulation shows near the
+# 424-block minimum (tests/e2e/simulate_pressure.py); 6 users of 1-16K
+# contexts still need several times this fully resident.
+GPU_BLOCKS = 550
+HOST_POOL_GIB = 4
+TOP_LOGPROBS = 5
+SAMPLING_EXTRA = {"ignore_eos": True, "return_token_ids": True,
+                  "return_tokens_as_token_ids": True}
+
+
+def log(*parts: object) -> None:
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def hisparse_flags() -> list[str]:
+    return [
+        "--attention-config", json.dumps({"hisparse_config": {"host_pool_gib": HOST_POOL_GIB}}),
+        "--kv-transfer-config", json.dumps({
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                          "cpu_bytes_to_use": 1 << 30}}),
+        "--num-gpu-blocks-override", str(GPU_BLOCKS),
+    ]
+
+
+def server_command(model: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "tiny",
+            "--load-format", "hisparse_seeded", "--port", str(port),
+            "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(CHUNK),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0",
+            "--generation-config", "vllm", "--gpu-memory-utilization", "0.3",
+            *hisparse_flags()]
+
+
+def child_env(variant: str) -> dict[str, str]:
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+               VLLM_SERVER_DEV_MODE="1", **{seeded_init.VARIANT_ENV: variant})
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(PLUGIN), str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default
+    return env
+
+
+# ------------------------------------------------------------ the server
+
+
+class Server:
+    """The server process, its HTTP endpoints and its engine core's /proc."""
+
+    def __init__(self, model: Path, port: int, log_path: Path, variant: str) -> None:
+        self.port, self.log_path = port, log_path
+        self.command = server_command(model, port)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(self.command, env=child_env(variant),
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    async def wait_ready(self, client, timeout: float) -> float:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if not self.alive():
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if (await client.get(f"{self.url}/health", timeout=2)).status_code == 200:
+                    return time.time() - t0
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            await asyncio.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout}s")
+
+    def engine_pid(self) -> int | None:
+        """The engine core: the pid its log lines name, else the largest
+        descendant of the server."""
+        pids = logic.scan_log(self.log_text())["engine_core_pids"]
+        if pids:
+            return pids[-1]
+        kids = descendants(self.proc.pid)
+        return max(kids, key=lambda p: status_of(p).get("VmRSS", 0)) if kids else None
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def status_of(pid: int | None) -> dict[str, int]:
+    try:
+        return logic.parse_status(Path(f"/proc/{pid}/status").read_text())
+    except (OSError, TypeError):
+        return {}
+
+
+async def idle_state(server: Server, http) -> dict:
+    """What must be the same before and after the load: the pools reset
+    (retried while in-flight offloads still hold blocks), usage 0, nothing
+    running, the engine core's locked/pinned memory.
+
+    The usage gauge is published with each step's stats, so an idle engine
+    keeps showing its last step: a 1-token probe request runs first, and
+    its finish publishes the pool as it is then."""
+    probe = await http.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0})
+    await asyncio.sleep(1)  # the stats of the probe's last step
+    reset, attempts = False, 0
+    while not reset and attempts < 15:
+        attempts += 1
+        r = await http.post(f"{server.url}/reset_prefix_cache", timeout=30)
+        reset = r.status_code == 200 and bool(r.json().get("success"))
+        if not reset:
+            await asyncio.sleep(1)
+    metrics = logic.parse_metrics((await http.get(f"{server.url}/metrics")).text)
+    pid = server.engine_pid()
+    return {"probe_status": probe.status_code,
+            "reset_prefix_cache": reset, "reset_attempts": attempts,
+            "kv_cache_usage_perc": metrics.get("vllm:kv_cache_usage_perc"),
+            "running": metrics.get("vllm:num_requests_running"),
+            "waiting": metrics.get("vllm:num_requests_waiting"),
+            "engine_pid": pid, "proc": status_of(pid), "metrics": metrics}
+
+
+# ------------------------------------------------------------ the client
+
+
+class Load:
+    """The seeded users against the server, plus the monitors."""
+
+    def __init__(self, cfg: logic.SoakConfig, server: Server, openai_client, http,
+                 sink) -> None:
+        self.cfg, self.server, self.client, self.http = cfg, server, openai_client, http
+        self.sink = sink
+        """Called with every completed request (the replay's feed)."""
+        self.results: list[dict] = []
+        self.inflight: dict[str, int] = {}
+        self.max_demand = 0
+        self.health = {"polls": 0, "failures": 0, "server_exits": 0}
+        self.metrics_peak = {"kv_cache_usage_perc": 0.0, "running": 0.0, "waiting": 0.0}
+
+    async def run(self) -> float:
+        t0 = time.time()
+        self.stop_at = t0 + self.cfg.duration_s
+        users = [logic.User(self.cfg, i) for i in range(self.cfg.users)]
+        monitors = [asyncio.create_task(self.watch_health()),
+                    asyncio.create_task(self.watch_metrics())]
+        await asyncio.gather(*(self.user_loop(u) for u in users))
+        for m in monitors:
+            m.cancel()
+        return time.time() - t0
+
+    async def user_loop(self, user: logic.User) -> None:
+        await asyncio.sleep(user.index * 0.5)
+        while time.time() < self.stop_at:
+            action = user.next_action()
+            self.inflight[action.id] = len(action.prompt) + action.max_tokens
+            self.max_demand = max(self.max_demand, logic.demand_blocks(
+                self.inflight.values(), MAX_NUM_SEQS))
+            result = await self.send(action)
+            del self.inflight[action.id]
+            if result["outcome"] == "completed":
+                self.sink(result)
+            user.outcome(action, result["outcome"] == "completed",
+                         result.get("record", {}).get("tokens", []))
+            self.results.append(result)
+            await asyncio.sleep(min(action.think_s, max(self.stop_at - time.time(), 0)))
+
+    async def send(self, action: logic.Action) -> dict:
+        out = {"id": action.id, "stream": action.stream, "planned": action.disconnect,
+               "prompt_len": len(action.prompt), "max_tokens": action.max_tokens,
+               "compact": action.compact(), "t_start": time.time()}
+        try:
+            if action.stream:
+                await self._streamed(action, out)
+            else:
+                await self._plain(action, out)
+        except Exception as err:  # noqa: BLE001 - a failed request is a finding
+            out.update(outcome="error", error=repr(err)[:500])
+        out["t_end"] = time.time()
+        return out
+
+    def _kwargs(self, action: logic.Action) -> dict:
+        return dict(model="tiny", prompt=action.prompt, max_tokens=action.max_tokens,
+                    temperature=0, logprobs=TOP_LOGPROBS, extra_body=SAMPLING_EXTRA)
+
+    async def _plain(self, action: logic.Action, out: dict) -> None:
+        call = self.client.completions.create(**self._kwargs(action))
+        if action.disconnect == "cancel":
+            try:
+                resp = await asyncio.wait_for(call, action.after)
+            except asyncio.TimeoutError:
+                out.update(outcome="cancelled", tokens_received=0)
+                return
+        else:
+            resp = await call
+        self._finish(out, action, [resp.choices[0]])
+
+    async def _streamed(self, action: logic.Action, out: dict) -> None:
+        chunks = []
+        stream = None
+
+        async def first():
+            nonlocal stream
+            stream = await self.client.completions.create(stream=True, **self._kwargs(action))
+            return await stream.__anext__()
+
+        try:
+            timeout = action.after if action.disconnect == "prefill" else None
+            chunks.append(await asyncio.wait_for(first(), timeout))
+        except asyncio.TimeoutError:
+            if stream is not None:
+                await stream.close()
+            out.update(outcome="before_first_token", tokens_received=0)
+            return
+        async for chunk in stream:
+            chunks.append(chunk)
+            got = sum(len(c.choices[0].logprobs.tokens) for c in chunks
+                      if c.choices and c.choices[0].logprobs)
+            if action.disconnect == "decode" and got >= action.after:
+                await stream.close()
+                out.update(outcome="during_decode", tokens_received=got)
+                return
+        self._finish(out, action, [c.choices[0] for c in chunks if c.choices])
+
+    def _finish(self, out: dict, action: logic.Action, choices: list) -> None:
+        tokens, lps, tops = [], [], []
+        for ch in choices:
+            if ch.logprobs is not None:
+                tokens += ch.logprobs.tokens
+                lps += ch.logprobs.token_logprobs
+                tops += ch.logprobs.top_logprobs
+        record = logic.server_record(tokens, lps, tops)
+        ids = [t for ch in choices for t in (getattr(ch, "token_ids", None) or [])]
+        if ids and ids != record["tokens"]:
+            raise ValueError("token_ids and the logprobs' tokens disagree")
+        done = len(record["tokens"]) == action.max_tokens
+        out.update(outcome="completed" if done else "error", record=record,
+                   tokens_received=len(record["tokens"]),
+                   finish_reason=choices[-1].finish_reason if choices else None)
+        if not done:
+            out["error"] = f"{len(record['tokens'])} of {action.max_tokens} tokens"
+
+    async def watch_health(self) -> None:
+        while True:
+            self.health["polls"] += 1
+            try:
+                r = await self.http.get(f"{self.server.url}/health", timeout=5)
+                self.health["failures"] += r.status_code != 200
+            except Exception:  # noqa: BLE001
+                self.health["failures"] += 1
+            self.health["server_exits"] += not self.server.alive()
+            await asyncio.sleep(2)
+
+    async def watch_metrics(self) -> None:
+        names = {"kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+                 "running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
+        while True:
+            try:
+                m = logic.parse_metrics((await self.http.get(
+                    f"{self.server.url}/metrics", timeout=5)).text)
+                for k, name in names.items():
+                    self.metrics_peak[k] = max(self.metrics_peak[k], m.get(name, 0.0))
+            except Exception:  # noqa: BLE001 - the health monitor counts outages
+                pass
+            await asyncio.sleep(5)
+
+
+async def drain(server: Server, http, timeout: float = 30.0) -> float:
+    """Until the engine runs and queues nothing."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        m = logic.parse_metrics((await http.get(f"{server.url}/metrics")).text)
+        if not m.get("vllm:num_requests_running") and not m.get("vllm:num_requests_waiting"):
+            break
+        await asyncio.sleep(1)
+    return time.time() - t0
+
+
+# ------------------------------------------------------------ the replay
+
+
+def replay_command(a, work: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--replay-worker",
+            "--out", str(a.out), "--work", str(work), "--model", str(a.model),
+            "--variant", a.variant, "--floor-requests", str(a.floor_requests),
+            "--deadline", str(a.deadline)]
+
+
+def replay_worker(a) -> int:
+    """The off arm, in its own process: build the engine, replay the
+    server's completed requests as they arrive (during the load: the replay
+    must not wait for it), then a subset one at a time after a prefix-cache
+    reset, measure the init's sensitivity, check that the plugin's weights
+    equal apply_model's."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sys.path.insert(0, str(PLUGIN))
+    os.environ[seeded_init.VARIANT_ENV] = a.variant
+    import hisparse_e2e_weights
+    import run_e2e
+    from vllm import LLM
+    from vllm.config import AttentionConfig
+
+    hisparse_e2e_weights.register()
+    work = Path(a.work)
+    t0 = time.time()
+    llm = LLM(model=str(a.model), load_format="hisparse_seeded", dtype="bfloat16",
+              kv_cache_dtype="fp8", max_model_len=MAX_MODEL_LEN,
+              max_num_batched_tokens=CHUNK, max_num_seqs=MAX_NUM_SEQS, seed=0,
+              generation_config="vllm", enable_prefix_caching=True,
+              attention_config=AttentionConfig(sparse_mla_force_mqa=True),
+              kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.45)
+    out: dict = {"init_s": round(time.time() - t0, 1),
+                 "defaults": run_e2e.resolved_defaults(llm)}
+    (work / "replay.ready").write_text("ok")
+    out.update(replays(llm, work / "requests.jsonl", a))
+    out["weights_fingerprint_plugin"] = digest(llm)
+    # Both below re-initialise through apply_model: after the replays only.
+    if time.time() < a.deadline - 20:
+        out["sensitivity"] = run_e2e.measure_sensitivity(llm, [a.variant])
+    run_e2e.apply_variant(llm, a.variant)
+    out["weights_fingerprint_apply_model"] = digest(llm)
+    (work / "replay.json").write_text(json.dumps(out))
+    return 0
+
+
+def digest(llm) -> str:
+    return llm.apply_model(seeded_init.fingerprint)[0]["digest"]
+
+
+def tail(path: Path, deadline: float):
+    """Batches of the requests the soak appends to ``path`` (one JSON line
+    each, then {"end": true}), as they arrive, until the end or the deadline."""
+    f, pending = None, b""
+    while time.time() < deadline:
+        if f is None and path.exists():
+            f = open(path, "rb")
+        data = f.read() if f is not None else b""
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()
+        batch = [json.loads(line) for line in lines if line.strip()]
+        if any(item.get("end") for item in batch):
+            yield [item for item in batch if not item.get("end")]
+            return
+        if batch:
+            yield batch
+        else:
+            time.sleep(0.5)
+
+
+def replays(llm, path: Path, a) -> dict:
+    """Replay A (every completed request, in arrival order, in batches of
+    whatever has arrived; a turn's parent arrives before it) and B (the
+    floor subset, one at a time, after a prefix-cache reset); prompts are
+    rebuilt from the server's outputs."""
+    import run_e2e
+
+    deadline = a.deadline - 30
+    prompts: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    requests: list[dict] = []
+    main, floor, t0, aborted = {}, {}, time.time(), None
+    try:
+        for batch in tail(path, deadline):
+            for item in batch:
+                r, outputs[item["id"]] = item["compact"], item["tokens"]
+                requests.append(r)
+                prompts.update(logic.rebuild_prompts([r], outputs, prompts))
+            for i in range(0, len(batch), 16):
+                part = [item["compact"] for item in batch[i:i + 16]]
+                recs = run_e2e.generate_records(llm, [prompts[r["id"]] for r in part],
+                                                [r["max_tokens"] for r in part], deadline + 20)
+                main.update({r["id"]: rec for r, rec in zip(part, recs)})
+        t1 = time.time()
+        llm.reset_prefix_cache()
+        for r in requests[:a.floor_requests]:
+            if time.time() > deadline + 15:
+                break
+            floor[r["id"]] = run_e2e.generate_records(
+                llm, [prompts[r["id"]]], [r["max_tokens"]], deadline + 25)[0]
+    except run_e2e.ScenarioAborted as err:  # out of time: what ran is reported
+        aborted, t1 = str(err), time.time()
+    return {"main": main, "floor": floor, "main_s": round(t1 - t0, 1),
+            "floor_s": round(time.time() - t1, 1), "received": len(requests),
+            "aborted": aborted}
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=os.path.join(
+        os.environ.get("HISPARSE_STAGE", "/root/stage"), "tiny_glm5"))
+    ap.add_argument("--work", default="/tmp/hisparse-soak",
+                    help="large intermediate files (requests, replay)")
+    ap.add_argument("--duration", type=float, default=360.0)
+    ap.add_argument("--users", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--variant", default=seeded_init.DEFAULT_VARIANT,
+                    help="the weight variant the e2e gate chose (its e2e.json 'variant')")
+    ap.add_argument("--budget", type=float, default=500.0,
+                    help="seconds from start by which soak.json must be written")
+    ap.add_argument("--floor-requests", type=int, default=16)
+    ap.add_argument("--port", type=int, default=8111)
+    ap.add_argument("--replay-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    seeded_init.variant(a.variant)
+    if a.duration < 360 and not a.replay_worker:
+        print("soak.py: note: R5 asks for >= 360 s of load", file=sys.stderr)
+    return a
+
+
+async def soak(a) -> dict:
+    import httpx
+    import openai
+
+    out, work = Path(a.out), Path(a.work)
+    cfg = logic.SoakConfig(seed=a.seed, users=a.users, duration_s=a.duration,
+                           max_model_len=MAX_MODEL_LEN)
+    report: dict = {"config": asdict(cfg), "variant": a.variant, "gpu_blocks": GPU_BLOCKS}
+    server = Server(Path(a.model), a.port, out / "soak_server.log", a.variant)
+    report["command"] = " ".join(server.command)
+    replay = None
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+            report["server_ready_s"] = round(await server.wait_ready(http, 240), 1)
+            report["idle_before"] = await idle_state(server, http)
+            replay = subprocess.Popen(replay_command(a, work), env=child_env(a.variant),
+                                      stdout=open(out / "soak_replay.log", "w"),
+                                      stderr=subprocess.STDOUT)
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY",
+                                        max_retries=0, timeout=300)
+            feed = Feed(work / "requests.jsonl")
+            load = Load(cfg, server, client, http, feed.add)
+            log("load: start", cfg)
+            report["load_s"] = round(await load.run(), 1)
+            report["drain_s"] = round(await drain(server, http), 1)
+            report["idle_after"] = await idle_state(server, http)
+            report["monitor"] = {"health": load.health, "peak": load.metrics_peak}
+            report["pressure"] = {"max_demand_blocks": load.max_demand,
+                                  "gpu_blocks": GPU_BLOCKS}
+            results = load.results
+        report["log"] = logic.scan_log(server.log_text())
+    except BaseException:
+        if replay is not None:
+            replay.kill()  # it would hold the GPU until its deadline
+        raise
+    finally:
+        server_alive = server.alive()
+        server.stop()
+    report["server_alive_at_end"] = server_alive
+    feed.end()
+    report["replay"] = wait_replay(work, replay, a.deadline)
+    return finish(report, results)
+
+
+class Feed:
+    """Completed requests, one JSON line each, for the replay to tail."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "w")
+
+    def add(self, result: dict) -> None:
+        self.file.write(json.dumps({"compact": result["compact"], "id": result["id"],
+                                    "tokens": result["record"]["tokens"]}) + "\n")
+        self.file.flush()
+
+    def end(self) -> None:
+        self.file.write(json.dumps({"end": True}) + "\n")
+        self.file.close()
+
+
+def wait_replay(work: Path, proc, deadline: float) -> dict:
+    path = work / "replay.json"
+    while proc is not None and proc.poll() is None and time.time() < deadline:
+        time.sleep(1)
+    if not path.exists():
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        return {"error": "no replay result (see soak_replay.log)"}
+    return json.loads(path.read_text())
+
+
+def finish(report: dict, results: list[dict]) -> dict:
+    """Comparisons, leaks, restarts, the verdict."""
+    server = {r["id"]: r["record"] for r in results if r["outcome"] == "completed"}
+    rep = report["replay"]
+    main, floor = rep.pop("main", {}), rep.pop("floor", {})
+    report["requests"] = asdict(logic.traffic(results))
+    report["mismatches"] = logic.compare_records(main, server)
+    report["mismatches"]["compared_of"] = len(server)
+    report["floor"] = logic.compare_records(main, floor)
+    report["sensitivity"] = rep.get("sensitivity", {})
+    # The server's weights (plugin, at load) equal the gate's (apply_model).
+    report["init_paths_agree"] = rep.get("weights_fingerprint_plugin") is not None and (
+        rep.get("weights_fingerprint_plugin") == rep.get("weights_fingerprint_apply_model"))
+    before, after = report.get("idle_before", {}), report.get("idle_after", {})
+    leaks = leak_checks(before, after)
+    report["leak_checks"] = leaks
+    report["leaks"] = sum(not v for k, v in leaks.items() if not k.endswith("_visible"))
+    report["restart_checks"] = restart_checks(report, before, after)
+    report["restarts"] = sum(not v for v in report["restart_checks"].values())
+    load_s = report.get("load_s") or 1.0
+    t = report["requests"]
+    report["tokens_per_s"] = {"generated": round(t["generated_tokens"] / load_s, 1),
+                              "prompt": round(t["prompt_tokens"] / load_s, 1)}
+    report["faults_injected"] = t["disconnected"]
+    report["checks"] = logic.verdict(report)
+    report["pass"] = all(report["checks"].values())
+    report["per_request"] = [{k: r.get(k) for k in ("id", "outcome", "stream", "planned",
+                                                     "prompt_len", "max_tokens",
+                                                     "tokens_received", "error")}
+                             for r in results]
+    return report
+
+
+def leak_checks(before: dict, after: dict) -> dict[str, bool]:
+    pinned = [sum(s.get("proc", {}).get(k, 0) for k in ("VmLck", "VmPin"))
+              for s in (before, after)]
+    return {
+        "pools_reset_after_drain": bool(after.get("reset_prefix_cache")),
+        "kv_usage_zero_after_drain": after.get("kv_cache_usage_perc") == 0.0,
+        "nothing_running_after_drain": not after.get("running") and not after.get("waiting"),
+        "pinned_bytes_unchanged": pinned[0] == pinned[1],
+        # Whether VmLck/VmPin see CUDA-registered memory at all (if not, the
+        # pinned check above cannot fail and the pool reset is the evidence).
+        "pinned_accounting_visible": pinned[0] > 0,
+    }
+
+
+def restart_checks(report: dict, before: dict, after: dict) -> dict[str, bool]:
+    health = report.get("monitor", {}).get("health", {})
+    return {
+        "server_alive_at_end": bool(report.get("server_alive_at_end")),
+        "engine_core_pid_unchanged": before.get("engine_pid") is not None
+        and before.get("engine_pid") == after.get("engine_pid"),
+        "one_engine_core_in_log": len(report.get("log", {}).get("engine_core_pids", [])) <= 1,
+        "health_always_ok": health.get("polls", 0) > 0 and health.get("failures", 1) == 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.replay_worker:
+        return replay_worker(a)
+    t0 = time.time()
+    a.deadline = t0 + a.budget
+    out, work = Path(a.out), Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in ("requests.jsonl", "replay.json", "replay.ready"):
+        (work / stale).unlink(missing_ok=True)
+    if not (Path(a.model) / "config.json").exists():
+        subprocess.run([sys.executable, str(HERE / "make_tiny_glm5.py"), str(a.model),
+                        "--max-pos", str(MAX_MODEL_LEN)], check=True)
+    try:
+        report = asyncio.run(soak(a))
+    except Exception as err:  # noqa: BLE001 - reported in soak.json
+        import traceback
+
+        report = {"error": traceback.format_exc()[-6000:], "pass": False, "exception": repr(err)}
+    report["wall_s"] = round(time.time() - t0, 1)
+    (out / "soak.json").write_text(json.dumps(report, indent=1))
+    log("soak:", {k: report.get(k) for k in ("pass", "checks", "requests", "mismatches",
+                                             "floor", "leaks", "restarts", "wall_s")})
+    return 0 if report.get("pass") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

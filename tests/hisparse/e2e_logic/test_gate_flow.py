@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The gate's control flow (tests/e2e/run_e2e.py Gate) end to end on CPU,
+with a stand-in for vllm.LLM: the real argument parsing, plans, weights
+init and fingerprints (on a small torch model), generate loop, schedule
+instrumentation, comparisons, checks, negative control and e2e.json. The
+stand-in's arms agree unless told otherwise, so each verdict is shown to
+pass and to fail."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import run_e2e as e2e
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+
+
+class Scheduler:
+    def __init__(self, owner) -> None:
+        self.owner = owner
+        self.connector = None
+        stats = SimpleNamespace(lost_pages=0, spills_completed=0, waits_for_in_flight=0)
+        self.kv_cache_manager = SimpleNamespace(coordinator=SimpleNamespace(
+            hisparse=SimpleNamespace(stats=stats, pending_spills={})
+            if owner.hisparse else None))
+
+    def _preempt_request(self, *a) -> None:
+        pass
+
+    def schedule(self, *a):
+        return SimpleNamespace(num_scheduled_tokens=self.owner.next_schedule())
+
+
+class Lp(SimpleNamespace):
+    pass
+
+
+class FakeLLM:
+    """What the gate touches of vllm.LLM. Tokens and logprobs are a function
+    of the prompt (and of the weights' norm, so the sensitivity control
+    sees its re-init); ``skew`` alters the HiSparse arm's output."""
+
+    skew: dict = {}
+
+    def __init__(self, **kw) -> None:
+        self.kw = kw
+        self.hisparse = kw["attention_config"].hisparse_config is not None
+        self.model = Model()
+        self.pending: dict[str, tuple] = {}
+        self.counter = 0
+        self.fault_armed = False
+        self.fired = 0
+        self.steps = 0
+        sched = Scheduler(self)
+        self.llm_engine = SimpleNamespace(
+            engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=sched),
+                                        shutdown=lambda: None),
+            vllm_config=SimpleNamespace(
+                scheduler_config=SimpleNamespace(async_scheduling=True,
+                                                 max_num_batched_tokens=kw[
+                                                     "max_num_batched_tokens"]),
+                model_config=SimpleNamespace(max_model_len=kw["max_model_len"]),
+                compilation_config=SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE",
+                                                   mode=3),
+                kv_transfer_config=None,
+                cache_config=SimpleNamespace(num_gpu_blocks=kw.get("num_gpu_blocks_override")),
+                attention_config=SimpleNamespace(sparse_mla_force_mqa=True)),
+            has_unfinished_requests=lambda: bool(self.pending),
+            step=self.step, abort_request=self.abort)
+
+    # ----------------------------------------------------------- engine
+    def enqueue(self, prompts, params, use_tqdm=False):
+        """Returns internal ids, as vLLM 0.26 (the external id + "-" + 8
+        random characters); outputs and aborts use the external ones."""
+        ids = []
+        for p, sp in zip(prompts, params):
+            rid = str(self.counter)
+            self.counter += 1
+            self.pending[rid] = (p["prompt_token_ids"], sp)
+            ids.append(f"{rid}-1a2b3c4d")
+        return ids
+
+    def next_schedule(self) -> dict:
+        split = self.hisparse and self.skew.get("schedule")
+        return {rid: len(p) // (2 if split else 1) for rid, (p, _) in self.pending.items()}
+
+    def step(self):
+        self.llm_engine.engine_core.engine_core.scheduler.schedule()
+        outs = [self.output(rid, p, sp) for rid, (p, sp) in self.pending.items()]
+        self.pending = {}
+        self.steps += 1
+        if self.hisparse:
+            self.stats().lost_pages += 3
+            self.stats().spills_completed += 2
+        return outs
+
+    def output(self, rid, prompt, sp):
+        scale = float(self.model.norm.weight.sum())
+        early = sum(prompt[: len(prompt) // 2]) if scale > 1 else 0
+        corrupt = self.fault_armed and len(prompt) > 6000
+        if corrupt:
+            self.fault_armed, self.fired = False, self.fired + 1
+        base = (sum(prompt[-8:]) + early + 7 * corrupt) % 8000
+        bits = self.skew.get("bits", 0.0) if self.hisparse else 0.0
+        toks = [(base + i) % 8000 + 2 for i in range(sp.max_tokens)]
+        lps = [{t: Lp(logprob=-1.5 - bits, rank=1), t + 1: Lp(logprob=-2.5, rank=2)}
+               for t in toks]
+        return SimpleNamespace(request_id=rid, finished=True, outputs=[
+            SimpleNamespace(token_ids=toks, logprobs=lps)])
+
+    def abort(self, ids):
+        for i in ids:
+            self.pending.pop(i, None)
+
+    def stats(self):
+        return self.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager \
+            .coordinator.hisparse.stats
+
+    # --------------------------------------------------------- control
+    def apply_model(self, fn):
+        return [fn(self.model)]
+
+    def reset_prefix_cache(self):
+        return True
+
+    def collective_rpc(self, fn):
+        name = getattr(fn, "__name__", "")
+        if name == "arm_host_row_fault":
+            self.fault_armed = True
+            return [{"armed": True}]
+        if name == "fault_status":
+            return [{"fired": self.fired, "last": {"page": 0}}]
+        if name == "worker_counters":
+            # cumulative, as the worker's counters
+            return [{"misses": 5 * self.steps * self.hisparse, "fault_fired": self.fired}]
+        return [{}]
+
+
+@pytest.fixture
+def gate(tmp_path, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "cpu")
+    monkeypatch.setattr(e2e, "make_models", lambda stage: {"glm": stage / "g",
+                                                           "glm_share": stage / "s"})
+    monkeypatch.setattr(e2e, "shutdown", lambda llm: None)
+
+    def run(engines, scenarios="single6k,concurrent,fault_probe", **skew):
+        FakeLLM.skew = skew
+        out = tmp_path / "out"
+        args = e2e.parse_args(["--out", str(out), "--stage", str(tmp_path),
+                               "--engines", engines, "--scenarios", scenarios])
+        rc = e2e.Gate(args).run()
+        R = json.loads((out / "e2e.json").read_text())
+        assert "records" not in R
+        R.update(json.loads((out / "e2e_records.json").read_text()))
+        return rc, R
+
+    return run
+
+
+def entry(R, engine, scenario):
+    return next(e for e in R["scenarios"] if e["engine"] == engine and e["scenario"] == scenario)
+
+
+def test_a_clean_run_passes_with_both_controls(gate):
+    rc, R = gate("off_c2k,on_c2k")
+    assert rc == 0, R["failures"]
+    assert R["sensitivity"]["meets"] and R["sensitivity"]["chosen"] == "n02"
+    assert len(R["sensitivity"]["variants"]) == len(e2e.seeded_init.VARIANTS)
+    assert R["negative_control_detected"] is True
+    assert R["weights_identical"] == {"('glm', 1)": True}
+    single = entry(R, "on_c2k", "single6k")
+    assert single["comparison"]["bitwise_logprobs"] and single["comparison"]["schedule_equal"]
+    assert single["pass"] and single["checks"]["lost_pages"]
+    probe = entry(R, "on_c2k", "fault_probe")
+    assert probe["negative_control"]["detected"] and probe["negative_control"]["fired"] == 1
+    assert R["engines"]["off_c2k"]["plan"] == ["single6k", "concurrent", "fault_probe"]
+
+
+def test_logprob_bits_under_an_equal_schedule_fail(gate):
+    rc, R = gate("off_c2k,on_c2k", scenarios="single6k", bits=2 ** -20)
+    cmp = entry(R, "on_c2k", "single6k")["comparison"]
+    assert rc == 1 and cmp["identical_tokens"] and not cmp["bitwise_logprobs"]
+    assert cmp["note"] == "logprobs differ under an equal schedule"
+
+
+def test_a_different_schedule_relaxes_only_the_bits(gate):
+    rc, R = gate("off_c2k,on_c2k", scenarios="single6k", bits=2 ** -20, schedule=True)
+    cmp = entry(R, "on_c2k", "single6k")["comparison"]
+    assert rc == 0, R["failures"]
+    assert cmp["note"] == "schedule differed" and cmp["max_abs_logprob_diff"] > 0
+
+
+def test_missing_pressure_fails_the_checks(gate, monkeypatch):
+    monkeypatch.setattr(FakeLLM, "collective_rpc", lambda self, fn: [{}])
+    rc, R = gate("off_c2k,on_c2k", scenarios="single6k")
+    e = entry(R, "on_c2k", "single6k")
+    assert rc == 1 and e["comparison"]["pass"] and not e["checks"]["hot_misses"]
+
+
+def test_a_fault_the_comparison_misses_fails_the_run(gate, monkeypatch):
+    """The fault "fires" but changes nothing the comparison sees."""
+    rpc = FakeLLM.collective_rpc
+
+    def fires_harmlessly(self, fn):
+        if getattr(fn, "__name__", "") == "arm_host_row_fault":
+            self.fired = 1
+            return [{"armed": True}]
+        return rpc(self, fn)
+
+    monkeypatch.setattr(FakeLLM, "collective_rpc", fires_harmlessly)
+    rc, R = gate("off_c2k,on_c2k", scenarios="fault_probe")
+    nc = entry(R, "on_c2k", "fault_probe")["negative_control"]
+    assert rc == 1 and nc["fired"] == 1 and not nc["detected"]
+    assert R["negative_control_detected"] is False
+
+
+def test_an_insensitive_init_fails_the_run(gate, monkeypatch):
+    monkeypatch.setattr(e2e.workload, "SENSITIVITY_NEEDED", 9)  # of 8 prompts
+    rc, R = gate("off_c2k,on_c2k", scenarios="single6k")
+    assert rc == 1 and not R["sensitivity"]["meets"]
+    assert any("sensitivity" in f for f in R["failures"])

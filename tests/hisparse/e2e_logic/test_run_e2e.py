@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The e2e driver's configuration logic (tests/e2e/run_e2e.py): argument
+parsing, engine order, plans, the pool sizes against the real layout's
+startup minimum, and the env each engine starts with."""
+
+import dataclasses
+
+import e2e_workload as wl
+import pytest
+import run_e2e as e2e
+from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
+from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+
+SPECS = e2e.engine_specs()
+COMMANDS = {  # results/e2e/README.md: the two device commands of the gate
+    1: "off_c2k,on_c2k,on_c2k_audit,on_lazy,on_hostex,off_c8k,on_c8k",
+    2: "off_c2k,on_nopressure,off_eager,on_eager,off_fdo,on_fdo,off_share,on_share",
+}
+
+
+def layout(freq: int = 1, chunk: int = 2048):
+    hf = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+          "index_head_dim": 128, "index_topk": e2e.INDEX_TOPK, "index_topk_freq": freq}
+    params = HiSparseParams(index_topk=e2e.INDEX_TOPK, max_decode_query_len=1,
+                            device_buffer_size=2 * e2e.INDEX_TOPK,
+                            admission_max_tokens=chunk, host_pool_bytes=0)
+    return build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
+
+
+@pytest.mark.parametrize("chunk", e2e.CHUNKS)
+@pytest.mark.parametrize("freq", [1, 2])
+def test_startup_minimum_is_the_layouts_admission_cost(chunk, freq):
+    """The arithmetic the pool sizes rest on equals what the startup check
+    computes (layout.gpu_bytes_per_request), for both models."""
+    lay = layout(freq, chunk)
+    admission = lay.request_blocks(e2e.MAX_MODEL_LEN).admission
+    assert (lay.num_pairs == e2e.NUM_PAIRS) == (freq == 1)  # IndexShare: 3 pairs
+    assert e2e.startup_minimum_blocks(e2e.MAX_MODEL_LEN, chunk, lay.num_pairs) == admission
+    assert lay.gpu_bytes_per_request(e2e.MAX_MODEL_LEN) == admission * lay.bytes_per_block
+    assert admission <= e2e.PRESSURE_BLOCKS[chunk]
+
+
+@pytest.mark.parametrize("chunk", e2e.CHUNKS)
+def test_pressure_pools_sit_a_little_above_the_minimum(chunk):
+    minimum = e2e.startup_minimum_blocks(e2e.MAX_MODEL_LEN, chunk)
+    assert minimum < e2e.PRESSURE_BLOCKS[chunk] <= minimum * 1.1
+    # a 12K prompt fully resident (indexer + 4 resident groups) does not fit
+    assert e2e.cdiv(12000, 64) * 5 > e2e.PRESSURE_BLOCKS[chunk]
+
+
+def test_c8k_single6k_is_exempt_because_it_cannot_be_under_pressure():
+    """At chunk 8192 the pool minimum exceeds a fully resident 6K request."""
+    fully_resident = e2e.cdiv(6000, 64) * 5 + 4 * e2e.cdiv(2 * e2e.INDEX_TOPK, 64)
+    assert fully_resident < e2e.PRESSURE_BLOCKS[8192]
+    assert SPECS["on_c8k"]["no_pressure"] == ["single6k"]
+    assert e2e.cdiv(6000, 64) * 5 > e2e.PRESSURE_BLOCKS[2048]
+
+
+def test_host_exhaustion_pool_holds_one_request_but_not_the_scenario():
+    lay = layout()
+    blocks = int(e2e.HOSTEX_GIB * (1 << 30)) // lay.host_block_stride(False)
+    assert blocks - 1 >= e2e.cdiv(e2e.MAX_MODEL_LEN, 64)  # the startup check
+    need = sum(e2e.cdiv(len(t.new) + t.max_tokens, 64)
+               for t in wl.scenario("long_outputs")[0])
+    assert need > blocks
+
+
+def test_default_engines_are_device_command_1():
+    assert e2e.parse_args(["--out", "x"]).engines == COMMANDS[1].split(",")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_readme_commands_parse(command):
+    a = e2e.parse_args(["--out", "x", "--engines", COMMANDS[command]])
+    assert a.engines[0] == "off_c2k" and a.scenarios is None and a.variant is None
+
+
+@pytest.mark.parametrize("engines,match", [
+    ("on_c2k,off_c2k", "must be a HiSparse-off engine"),
+    ("off_c2k,on_c8k", "needs its reference off_c8k"),
+    ("off_c2k,on_bogus", "unknown engine"),
+])
+def test_engine_order_is_validated(engines, match):
+    with pytest.raises(ValueError, match=match):
+        e2e.parse_args(["--out", "x", "--engines", engines])
+
+
+def test_unknown_variant_and_scenario_are_refused():
+    with pytest.raises(ValueError, match="unknown weight variant"):
+        e2e.parse_args(["--out", "x", "--variant", "nope"])
+    with pytest.raises(ValueError, match="unknown scenario"):
+        e2e.parse_args(["--out", "x", "--scenarios", "single6k,nope"])
+    a = e2e.parse_args(["--out", "x", "--scenarios", "single6k,returning", "--variant", "qk2"])
+    assert a.scenarios == {"single6k", "returning"} and a.variant == "qk2"
+
+
+def test_off_engines_run_what_their_wanted_dependents_compare():
+    wanted = COMMANDS[1].split(",")
+    plan = e2e.plan_for("off_c2k", wanted)
+    need = {s for e in ("on_c2k", "on_c2k_audit", "on_lazy", "on_hostex")
+            for s in e2e.ON_PLAN[e]}
+    assert set(plan) == need and plan == [s for s in e2e.SCENARIO_ORDER if s in need]
+    assert e2e.plan_for("off_c2k", COMMANDS[2].split(",")) == ["single6k", "returning"]
+    assert e2e.plan_for("off_fdo", COMMANDS[2].split(",")) == [
+        "single6k", "concurrent", "fault_probe"]
+
+
+def test_poisoning_and_risky_scenarios_come_last():
+    for engine, plan in e2e.ON_PLAN.items():
+        if "fault_probe" in plan:
+            assert plan[-1] == "fault_probe", engine
+        if "returning" in plan:
+            assert plan[-1] == "returning" or plan[-2:] == ["returning", "fault_probe"]
+        assert set(plan) <= set(e2e.SCENARIO_ORDER) and set(plan) <= set(wl.SCENARIOS)
+
+
+def test_each_command_has_a_negative_control():
+    for command in COMMANDS.values():
+        engines = command.split(",")
+        assert any("fault_probe" in e2e.ON_PLAN.get(e, ()) for e in engines)
+
+
+@pytest.mark.parametrize("engine", sorted(e2e.REFERENCE))
+def test_arms_differ_only_in_hisparse(engine):
+    on, off = SPECS[engine], SPECS[e2e.REFERENCE[engine]]
+    assert on["hisparse"] is not None and off["hisparse"] is None
+    for key in ("model", "mode", "chunk", "tp"):
+        assert on[key] == off[key], key
+
+
+def test_engine_env_is_scoped_to_what_the_engine_needs():
+    assert e2e.engine_env(SPECS["on_c2k"], e2e.ON_PLAN["on_c2k"]) == {e2e.FAULTS_ENV: "1"}
+    assert e2e.engine_env(SPECS["on_c2k_audit"], e2e.ON_PLAN["on_c2k_audit"]) == {
+        e2e.DEBUG_ENV: "1"}
+    assert e2e.engine_env(SPECS["on_c8k"], e2e.ON_PLAN["on_c8k"]) == {}
+    assert e2e.engine_env(SPECS["off_fdo"], ["fault_probe"]) == {}
+    # pressure engines run without the lockstep audit
+    assert not any(SPECS[e].get("audit") for e in e2e.ON_PLAN if e != "on_c2k_audit")
+
+
+def test_scoped_env_restores(monkeypatch):
+    monkeypatch.setenv("HS_TEST_A", "old")
+    monkeypatch.delenv("HS_TEST_B", raising=False)
+    with e2e.scoped_env({"HS_TEST_A": "1", "HS_TEST_B": "2"}):
+        import os
+
+        assert os.environ["HS_TEST_A"] == "1" and os.environ["HS_TEST_B"] == "2"
+    assert os.environ["HS_TEST_A"] == "old" and "HS_TEST_B" not in os.environ
+
+
+def test_every_scenario_has_an_id():
+    for engine, plan in e2e.ON_PLAN.items():
+        for s in plan:
+            assert e2e.spec_ids(engine, s)
+    assert dataclasses.is_dataclass(wl.Turn)
+
+
+def test_serve_check_runs_both_servers_on_the_forced_mqa_path():
+    import json as _json
+
+    import serve_check
+
+    on = serve_check.server_command(serve_check.Path("/m"), 1, hisparse=True)
+    off = serve_check.server_command(serve_check.Path("/m"), 2, hisparse=False)
+    off_attn = _json.loads(off[off.index("--attention-config") + 1])
+    assert off_attn == {"sparse_mla_force_mqa": True}
+    assert "hisparse_config" in _json.loads(on[on.index("--attention-config") + 1])
+    assert on[on.index("--num-gpu-blocks-override") + 1] == str(e2e.PRESSURE_BLOCKS[2048])
+    for cmd in (on, off):
+        assert cmd[cmd.index("--max-model-len") + 1] == str(e2e.MAX_MODEL_LEN)

@@ -1,0 +1,327 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The soak's workload generator, records, comparison and verdict
+(tests/e2e/soak_logic.py and the pure parts of tests/e2e/soak.py)."""
+
+import copy
+import json
+import random
+import struct
+from dataclasses import dataclass
+
+import pytest
+import soak
+import soak_logic as sl
+
+CFG = sl.SoakConfig(seed=3, users=4)
+
+
+def run_users(cfg=CFG, n=60, complete=lambda a: a.disconnect is None, out_tokens=5):
+    """Each user's first n actions with fake outcomes."""
+    actions = []
+    for u in range(cfg.users):
+        user = sl.User(cfg, u)
+        for _ in range(n):
+            a = user.next_action()
+            done = complete(a)
+            user.outcome(a, done, [9] * out_tokens if done else [])
+            actions.append((a, done))
+    return actions
+
+
+def test_users_are_seeded():
+    a = [x.prompt for x, _ in run_users()]
+    b = [x.prompt for x, _ in run_users()]
+    assert a == b
+    c = [x.prompt for x, _ in run_users(sl.SoakConfig(seed=4, users=4))]
+    assert a != c
+
+
+def test_requests_fit_and_span_the_lengths():
+    actions = run_users(n=150)
+    lens = [len(a.prompt) for a, _ in actions]
+    assert all(len(a.prompt) + a.max_tokens <= CFG.max_model_len for a, _ in actions)
+    assert min(lens) < 300 and max(lens) > 10000
+    assert all(CFG.max_tokens[0] <= a.max_tokens <= CFG.max_tokens[1] for a, _ in actions)
+    assert all(2 <= t < CFG.vocab for a, _ in actions for t in a.new)
+
+
+def test_turns_continue_their_conversation_and_disconnects_end_it():
+    actions = run_users(n=150)
+    by_id = {a.id: (a, done) for a, done in actions}
+    continued = [a for a, _ in actions if a.parent is not None]
+    assert continued, "no multi-turn conversation"
+    for a in continued:
+        parent, done = by_id[a.parent]
+        assert done and a.conv == parent.conv and a.turn == parent.turn + 1
+        assert a.prompt == parent.prompt + [9] * 5 + a.new  # prompt + output + new
+    after_fail = {a.id for a, done in actions if not done}
+    assert not any(a.parent in after_fail for a in continued)
+
+
+def test_the_mix_has_every_kind_of_request():
+    actions = [a for a, _ in run_users(n=150)]
+    kinds = {a.disconnect for a in actions}
+    assert kinds == {None, "prefill", "decode", "cancel"}
+    assert any(a.stream for a in actions) and any(not a.stream for a in actions)
+    for a in actions:
+        if a.disconnect == "prefill":
+            assert a.stream and a.parent is None
+            assert len(a.prompt) >= CFG.prefill_disconnect_min_prompt
+        if a.disconnect == "decode":
+            assert a.stream and 1 <= a.after <= a.max_tokens
+
+
+def test_prompts_rebuild_from_the_compact_form_and_waves_follow_turns():
+    actions = run_users(n=80)
+    done = [a for a, ok in actions if ok]
+    outputs = {a.id: [9] * 5 for a in done}
+    prompts = sl.rebuild_prompts([a.compact() for a in done], outputs)
+    assert all(prompts[a.id] == a.prompt for a in done)
+    waves = sl.replay_waves([a.compact() for a in done])
+    assert [w[0]["turn"] for w in waves] == sorted({a.turn for a in done})
+    seen = set()
+    for wave in waves:
+        assert all(r["parent"] is None or r["parent"] in seen for r in wave)
+        seen |= {r["id"] for r in wave}
+
+
+@dataclass
+class Lp:
+    logprob: float
+    rank: int | None = None
+
+
+def both_sides(rng: random.Random, n: int = 6):
+    """The same numbers as vLLM's per-position dicts (replay) and as the
+    OpenAI JSON a server sends (token-id tokens), through a JSON round trip."""
+    tokens, positions, openai = [], [], {"tokens": [], "token_logprobs": [],
+                                         "top_logprobs": []}
+    for _ in range(n):
+        # float32 logprobs, as the sampler returns them
+        vals = [struct.unpack("f", struct.pack("f", -rng.random() * 9))[0] for _ in range(6)]
+        ids = rng.sample(range(2, 8192), 6)
+        tokens.append(ids[0])
+        positions.append({i: Lp(v) for i, v in zip(ids, vals)})
+        openai["tokens"].append(f"token_id:{ids[0]}")
+        openai["token_logprobs"].append(vals[0])
+        openai["top_logprobs"].append({f"token_id:{i}": v for i, v in
+                                       reversed(list(zip(ids, vals)))})
+    openai = json.loads(json.dumps(openai))
+    return (sl.replay_record(tokens, positions),
+            sl.server_record(openai["tokens"], openai["token_logprobs"],
+                             openai["top_logprobs"]))
+
+
+def test_the_server_and_replay_forms_agree_bit_for_bit():
+    replay, server = both_sides(random.Random(1))
+    cmp = sl.compare_records({"r": replay}, {"r": server})
+    assert cmp["compared"] == 1 and cmp["token_mismatches"] == 0
+    assert cmp["logprob_mismatches"] == 0 and cmp["max_abs_logprob_diff"] == 0.0
+
+
+def test_one_bit_or_one_token_is_a_mismatch():
+    replay, server = both_sides(random.Random(2))
+    bits = copy.deepcopy(server)
+    v = float.fromhex(bits["positions"][3][0])
+    nudged = struct.unpack("d", struct.pack("Q", struct.unpack("Q", struct.pack("d", v))[0] ^ 1))[0]
+    bits["positions"][3][0] = nudged.hex()
+    tok = copy.deepcopy(server)
+    tok["tokens"][4] += 1
+    cmp = sl.compare_records({"a": replay, "b": replay}, {"a": bits, "b": tok})
+    assert cmp["logprob_mismatches"] == 1 and cmp["token_mismatches"] == 1
+    assert 0 < cmp["max_abs_logprob_diff"] < 1e-12
+    assert [e["id"] for e in cmp["examples"]] == ["b", "a"]
+
+
+def test_canonical_position_is_a_set_with_the_sampled_token():
+    a = sl.canonical_position(5, -1.0, {7: -2.0, 5: -1.0})
+    b = sl.canonical_position(5, -1.0, {5: -1.0, 7: -2.0})
+    assert a == b
+    assert sl.canonical_position(5, -1.0, {7: -2.0})[1][0][0] == 5
+    assert float.fromhex(sl.canonical_position(5, -1e6, {})[0]) == sl.LOGPROB_FLOOR
+    with pytest.raises(ValueError, match="token-id"):
+        sl.token_id("w123")
+
+
+@pytest.mark.parametrize("main,floor,ok", [
+    ((0, 0.0), (0, 0.0), True),
+    ((1, 1e-7), (0, 0.0), False),  # a bit-exact off arm: the server must be too
+    ((3, 5e-4), (2, 1e-4), True),
+    ((3, 5e-3), (2, 1e-4), False),
+])
+def test_logprobs_are_judged_against_the_floor(main, floor, ok):
+    m = {"logprob_mismatches": main[0], "max_abs_logprob_diff": main[1]}
+    f = {"logprob_mismatches": floor[0], "max_abs_logprob_diff": floor[1]}
+    assert sl.logprobs_within_floor(m, f) is ok
+
+
+def test_parsers():
+    text = ('# HELP vllm:kv_cache_usage_perc x\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25\n'
+            'vllm:num_preemptions_total{engine="0"} 3.0\n'
+            'vllm:num_preemptions_total{engine="1"} 2.0\n')
+    m = sl.parse_metrics(text)
+    assert m["vllm:kv_cache_usage_perc"] == 0.25 and m["vllm:num_preemptions_total"] == 5.0
+    st = sl.parse_status("Name:\tpython\nVmLck:\t  12 kB\nVmPin:\t0 kB\nVmRSS:\t 900 kB\n")
+    assert st == {"VmLck": 12, "VmPin": 0, "VmRSS": 900}
+    log = ("(EngineCore pid=77) INFO hi\n(APIServer pid=5) ERROR x\n"
+           "(EngineCore pid=91) INFO again\n(EngineCore pid=77) INFO\nTraceback (most recent call last)\n")
+    scanned = sl.scan_log(log)
+    assert scanned["engine_core_pids"] == [77, 91] and scanned["tracebacks"] == 1
+    assert scanned["errors"] == 1
+
+
+def test_demand_counts_the_running_requests_fully_resident():
+    assert sl.fully_resident_blocks(6000) == 94 * 5 + 32
+    assert sl.demand_blocks([6000, 100, 64], max_num_seqs=2) == 502 + 2 * 5 + 32
+
+
+def good_run():
+    """Fake soak results and replay that pass every check."""
+    rng = random.Random(5)
+    results, main = [], {}
+    kinds = [("completed", True), ("completed", False), ("before_first_token", True),
+             ("during_decode", True), ("cancelled", False)]
+    for i, (outcome, stream) in enumerate(kinds * 2):
+        r = {"id": f"r{i}", "outcome": outcome, "stream": stream, "prompt_len": 100,
+             "tokens_received": 6, "t_start": i}
+        if outcome == "completed":
+            replay, server = both_sides(rng)
+            r["record"], main[r["id"]] = server, replay
+        results.append(r)
+    idle = {"reset_prefix_cache": True, "kv_cache_usage_perc": 0.0, "running": 0.0,
+            "waiting": 0.0, "engine_pid": 42, "proc": {"VmLck": 0, "VmPin": 0}}
+    report = {"config": {"duration_s": 360.0}, "load_s": 361.0,
+              "pressure": {"max_demand_blocks": 2000, "gpu_blocks": 550},
+              "idle_before": idle, "idle_after": copy.deepcopy(idle), "server_alive_at_end": True,
+              "log": {"engine_core_pids": [42]},
+              "monitor": {"health": {"polls": 100, "failures": 0}},
+              "replay": {"main": main, "floor": dict(list(main.items())[:2]),
+                         "sensitivity": {"meets": True},
+                         "weights_fingerprint_plugin": "ab",
+                         "weights_fingerprint_apply_model": "ab"}}
+    return report, results
+
+
+def test_a_clean_soak_passes():
+    report, results = good_run()
+    out = soak.finish(report, results)
+    assert out["pass"], out["checks"]
+    assert out["requests"]["completed"] == 4 and out["requests"]["streamed"] == 2
+    assert out["faults_injected"] == {"before_first_token": 2, "during_decode": 2,
+                                      "cancelled": 2}
+    assert out["leaks"] == 0 and out["restarts"] == 0
+    assert not out["leak_checks"]["pinned_accounting_visible"]  # said, not hidden
+
+
+@pytest.mark.parametrize("break_it,check", [
+    (lambda r, x: r["idle_after"].update(reset_prefix_cache=False), "no_leaks"),
+    (lambda r, x: r["idle_after"].update(kv_cache_usage_perc=0.01), "no_leaks"),
+    (lambda r, x: r["idle_after"]["proc"].update(VmLck=4), "no_leaks"),
+    (lambda r, x: r["idle_after"].update(engine_pid=43), "no_restart"),
+    (lambda r, x: r["log"].update(engine_core_pids=[42, 50]), "no_restart"),
+    (lambda r, x: r["monitor"]["health"].update(failures=1), "no_restart"),
+    (lambda r, x: r.update(server_alive_at_end=False), "no_restart"),
+    (lambda r, x: r.update(load_s=300.0), "ran_long_enough"),
+    (lambda r, x: r["pressure"].update(max_demand_blocks=100), "under_pressure"),
+    (lambda r, x: r["replay"]["main"].pop("r0"), "replay_complete"),
+    (lambda r, x: x[0]["record"]["tokens"].__setitem__(0, 1), "tokens_identical"),
+    (lambda r, x: r["replay"].update(floor={}), "floor_measured"),
+    (lambda r, x: r["replay"].update(sensitivity={"meets": False}), "sensitive_init"),
+    (lambda r, x: r["replay"].update(weights_fingerprint_apply_model="cd"), "init_paths_agree"),
+    (lambda r, x: x.append({"id": "e", "outcome": "error", "stream": True}),
+     "no_request_errors"),
+    (lambda r, x: [y.update(outcome="completed") for y in x
+                   if y["outcome"] == "during_decode" and y.setdefault("record", x[0]["record"])],
+     "traffic_mix"),
+])
+def test_each_check_can_fail(break_it, check):
+    report, results = good_run()
+    break_it(report, results)
+    out = soak.finish(report, results)
+    assert not out["checks"][check] and not out["pass"]
+
+
+def test_soak_arguments():
+    a = soak.parse_args(["--out", "x"])
+    assert a.duration == 360 and a.variant == soak.seeded_init.DEFAULT_VARIANT
+    with pytest.raises(ValueError, match="unknown weight variant"):
+        soak.parse_args(["--out", "x", "--variant", "bogus"])
+    cmd = soak.server_command(soak.Path("/m"), 8000)
+    flags = dict(zip(cmd, cmd[1:]))
+    assert json.loads(flags["--attention-config"])["hisparse_config"]["host_pool_gib"] > 0
+    assert json.loads(flags["--kv-transfer-config"])["kv_connector"] == "OffloadingConnector"
+    assert flags["--load-format"] == "hisparse_seeded"
+    assert int(flags["--num-gpu-blocks-override"]) == soak.GPU_BLOCKS
+    assert int(flags["--max-num-batched-tokens"]) == soak.CHUNK
+
+
+def test_the_replay_tails_the_feed_across_partial_lines(tmp_path):
+    """The replay reads completed requests while the soak writes them."""
+    import threading
+    import time
+
+    path = tmp_path / "feed.jsonl"
+
+    def write():
+        time.sleep(0.2)
+        with open(path, "w") as f:
+            for i in range(4):
+                f.write(json.dumps({"id": i}))
+                f.flush()
+                time.sleep(0.1)
+                f.write("\n")
+                f.flush()
+            f.write(json.dumps({"end": True}) + "\n")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    got = [x["id"] for batch in soak.tail(path, time.time() + 20) for x in batch]
+    writer.join()
+    assert got == [0, 1, 2, 3]
+    assert list(soak.tail(tmp_path / "never", time.time() + 0.2)) == []  # the deadline
+
+
+def test_the_replay_rebuilds_turns_from_the_feed_and_measures_the_floor(tmp_path):
+    """soak.replays on a stand-in engine: every fed request replayed with
+    its rebuilt prompt (a child's = parent prompt + parent output + new),
+    then the floor subset one at a time after a prefix-cache reset."""
+    import time
+    from types import SimpleNamespace
+
+    from test_gate_flow import FakeLLM
+
+    class Recording(FakeLLM):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.seen, self.resets = [], 0
+
+        def enqueue(self, prompts, params, use_tqdm=False):
+            self.seen.append([p["prompt_token_ids"] for p in prompts])
+            return super().enqueue(prompts, params, use_tqdm)
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+            return True
+
+    FakeLLM.skew = {}
+    llm = Recording(attention_config=SimpleNamespace(hisparse_config=None),
+                    max_num_batched_tokens=2048, max_model_len=16384)
+    compact = {"a": {"id": "a", "conv": "c0", "turn": 0, "parent": None, "new": [5, 6],
+                     "max_tokens": 2},
+               "b": {"id": "b", "conv": "c0", "turn": 1, "parent": "a", "new": [7],
+                     "max_tokens": 3},
+               "c": {"id": "c", "conv": "c1", "turn": 0, "parent": None, "new": [8, 9, 10],
+                     "max_tokens": 2}}
+    outputs = {"a": [11, 12], "b": [13, 14, 15], "c": [16, 17]}
+    feed = soak.Feed(tmp_path / "feed.jsonl")
+    for rid in "abc":
+        feed.add({"id": rid, "compact": compact[rid], "record": {"tokens": outputs[rid]}})
+    feed.end()
+    out = soak.replays(llm, tmp_path / "feed.jsonl",
+                       SimpleNamespace(deadline=time.time() + 60, floor_requests=2))
+    assert out["aborted"] is None and out["received"] == 3
+    assert set(out["main"]) == {"a", "b", "c"} and set(out["floor"]) == {"a", "b"}
+    assert llm.seen[0] == [[5, 6], [5, 6, 11, 12, 7], [8, 9, 10]]  # one batch, as fed
+    assert llm.seen[1:] == [[[5, 6]], [[5, 6, 11, 12, 7]]] and llm.resets == 1
+    assert all(len(out["main"][r]["tokens"]) == compact[r]["max_tokens"] for r in "abc")

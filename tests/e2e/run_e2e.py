@@ -55,6 +55,10 @@ sys.path.insert(0, str(HERE))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# One order of every top-k row in every engine (both arms): the pin's top-k
+# kernels emit rows in atomic order, so two runs of one engine differ in the
+# low bits of attention (vllm/v1/hisparse/determinism.py). Read at import.
+os.environ.setdefault("VLLM_HISPARSE_CANONICAL_TOPK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -507,6 +511,37 @@ def measure_sensitivity(llm, names: list[str]) -> dict:
             "variants": figures, "chosen": chosen, "meets": ok}
 
 
+def measure_determinism(llm, name: str) -> dict:
+    """The precondition of a bitwise gate, measured in the run's first
+    engine: one request (single6k's prompt, 8 tokens, prefilled from scratch
+    each time) run twice gives bitwise-identical tokens and logprobs with
+    the canonical top-k order; run twice with the pin's native order
+    (``FlashMLASparseImpl.canonical_topk`` off for prefill; decode graphs
+    keep what they captured) it may not."""
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
+    (turn,) = workload.scenario("single6k")[0]
+    prompt = workload.prompt_of(turn, {})
+
+    def twice() -> bool:
+        runs = []
+        for _ in range(2):
+            llm.reset_prefix_cache()
+            runs.append(generate_records(llm, [prompt], [8], time.time() + 60)[0])
+        return runs[0] == runs[1]
+
+    canonical = FlashMLASparseImpl.canonical_topk
+    out = {"engine": name, "canonical_topk": canonical,
+           "identical_with_canonical_order": twice() if canonical else None}
+    FlashMLASparseImpl.canonical_topk = False
+    try:
+        out["identical_with_native_order"] = twice()
+    finally:
+        FlashMLASparseImpl.canonical_topk = canonical
+    llm.reset_prefix_cache()
+    return out
+
+
 def p2(llm) -> dict:
     """Decode ms per step at batch 1 and 16 (P2): (time of 288 new tokens -
     time of 32) / 256, the prompts prefix-cached, best of three."""
@@ -665,6 +700,12 @@ class Gate:
             self.variant = sens["chosen"]
             if not sens["meets"]:
                 self.fail(f"sensitivity control: no variant meets it ({sens['criterion']})")
+            rec["weights"] = apply_variant(llm, self.variant)
+            det = self.R["determinism"] = measure_determinism(llm, name)
+            log("determinism", det)
+            if not det["identical_with_canonical_order"]:
+                self.fail("determinism control: one engine, one request, two runs "
+                          f"differ even with the canonical top-k order ({det})")
         rec["weights"] = apply_variant(llm, self.variant)
         prints = llm.apply_model(seeded_init.fingerprint)
         rec["weights_fingerprint"] = [p["digest"] for p in prints]

@@ -106,6 +106,7 @@ def main() -> int:
                        check=True)
     plugin = str(HERE / "seeded_weights")
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+               VLLM_HISPARSE_CANONICAL_TOPK="1",  # one top-k order in both arms
                PYTHONPATH=os.pathsep.join(
                    [plugin] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                **{seeded_init.VARIANT_ENV: a.variant})

@@ -88,8 +88,11 @@ def server_command(model: Path, port: int) -> list[str]:
 
 
 def child_env(variant: str) -> dict[str, str]:
+    # The canonical top-k order in the server and in the replay (both arms
+    # of every comparison: vllm/v1/hisparse/determinism.py).
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
-               VLLM_SERVER_DEV_MODE="1", **{seeded_init.VARIANT_ENV: variant})
+               VLLM_SERVER_DEV_MODE="1", VLLM_HISPARSE_CANONICAL_TOPK="1",
+               **{seeded_init.VARIANT_ENV: variant})
     env["PYTHONPATH"] = os.pathsep.join(
         [str(PLUGIN), str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default

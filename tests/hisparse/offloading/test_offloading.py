@@ -397,3 +397,28 @@ def test_a_layout_without_hisparse_is_refused(rig):
         HiSparseOffloadingConnector(
             r.scheduler.vllm_config, KVConnectorRole.SCHEDULER, plain
         )
+
+
+def test_randomized_conversations_under_every_hash_seed():
+    """R4 / R26: the conversations above take a different trajectory under
+    each PYTHONHASHSEED (vLLM iterates sets of request ids). Under most seeds
+    one of them once left four requests waiting and none running, with the
+    pool nearly free: a request whose offloaded indexer load had completed
+    (back to WAITING, still an in-flight prefill) was admitted only if the
+    pool held its own cost plus the reservation of every in-flight prefill,
+    its own included. Every seed must finish."""
+    import os
+    import subprocess
+    import sys
+
+    test = f"{__file__}::test_randomized_conversations_under_pressure"
+    failed = []
+    for hash_seed in range(8):
+        env = dict(os.environ, PYTHONHASHSEED=str(hash_seed))
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "-p", "cpu_noclean", test],
+            env=env, capture_output=True, text=True, timeout=600)
+        if run.returncode != 0:
+            failed.append((hash_seed, run.stdout[-800:]))
+    assert not failed, failed

@@ -45,7 +45,8 @@ class FaultRig:
     def run(self, computed: int, scheduled: int, finish: bool = True, **meta):
         self.step += 1
         self.batch.schedule(computed=[computed], scheduled=[scheduled])
-        fields = {k: np.asarray(v) for k, v in meta.items()}
+        fields = {k: v if k == "hot_region_requests" else np.asarray(v)
+                  for k, v in meta.items()}
         md = attn_metadata(self.batch, 1, 1)
         self.worker.start_step(HiSparseStepMetadata(step=self.step, **fields), md)
         if finish:
@@ -128,7 +129,7 @@ def test_the_resolver_serves_the_corrupted_rows(faults_on):
     original = rt.layers[name].host[5 * B + 2].clone()
     debug_faults.arm_host_row_fault()
     md = rig.run(computed=100, scheduled=1, finish=False,
-                 hot_regions_allocated=np.array([20]))
+                 hot_regions_allocated=np.array([20]), hot_region_requests=["r0"])
     topk = torch.full((1, 64), -1, dtype=torch.int32)
     topk[0, 0] = 2  # position 2: page 0, host block 5
     rows, _ = rt.decode_rows(name, 1, topk, md.seq_lens, md.block_table)

@@ -134,6 +134,50 @@ def test_mirror_copies_exactly_the_rows_written_this_step():
         assert int(host.count_nonzero()) == 0, name
 
 
+def test_a_decode_step_mirrors_every_group_in_one_launch():
+    """4.10 / issue 16 item 1: a decode step (and any FULL-graph step)
+    submits the mirrors of all resident groups at finish_forward behind one
+    ready event and one copy_descriptors launch, not one of each per group;
+    the bytes are those of the per-group submissions. A prefill step still
+    submits per group as each group's last layer is written."""
+    rig = Rig()
+    calls = []
+    copy = rig.rt.ops.copy_descriptors
+
+    class Counting(ReferenceOps):
+        @staticmethod
+        def copy_descriptors(src, dst, nbytes):
+            calls.append(int(src.numel()))
+            copy(src, dst, nbytes)
+
+    rig.rt.ops = Counting
+    rig.place(0, resident=[3], host=[5])
+    rig.place(1, resident=[7], host=[9])
+    rig.batch.schedule(computed=[10, 20], scheduled=[1, 1])
+    fill_slab(rig)
+    log = rig.worker.streams.log
+    start = len(log)
+    rig.run(rig.meta(), num_decodes=2, num_decode_tokens=2)
+    layers = len(rig.layout.sparse_layers)
+    assert len(rig.res_ids) == 4 and calls == [2 * layers]
+    records = [e for e in log[start:] if e[0] == "record" and e[1] == "forward_ready"]
+    assert len(records) == 1
+    for name, lv in rig.rt.layers.items():
+        for row, pos in ((0, 10), (1, 20)):
+            (res, g), = written_rows(rig, row, [pos], lv.pair)
+            assert torch.equal(rig.host_row(name, g), rig.resident_row(name, res))
+    # Prefill: one submission per group, as each one's layers are written.
+    calls.clear()
+    rig.place(2, resident=[11, 12], host=[13, 14])
+    rig.batch.schedule(computed=[11, 21, 0], scheduled=[1, 1, 70])
+    md = attn_metadata(rig.batch, 2, 2)
+    rig.worker.start_step(rig.meta(), md)
+    for name in rig.worker.mirror.layer_order:
+        rig.worker.on_kv_written(name)
+    rig.worker.finish_forward()
+    assert len(calls) == len(rig.res_ids)
+
+
 def test_lazy_mode_mirrors_prefill_rows_only():
     """Spec 4.10 with eager_host_mirror=false: decode rows are not mirrored,
     prefill rows always are."""

@@ -290,6 +290,18 @@ class MirrorPlan:
         lo, hi = self.pair_ranges[range_index]
         return slice(lo * self.num_rows, hi * self.num_rows)
 
+    def spans_of(self, range_indices: list[int]) -> list[slice]:
+        """The descriptors of ``range_indices`` (ascending) as contiguous
+        slices: consecutive resident groups' slices merge."""
+        spans: list[slice] = []
+        for index in range_indices:
+            part = self.slice_of(index)
+            if spans and spans[-1].stop == part.start:
+                spans[-1] = slice(spans[-1].start, part.stop)
+            else:
+                spans.append(part)
+        return spans
+
 
 @dataclass
 class _InFlight:
@@ -354,6 +366,9 @@ class HiSparseWorker:
             set(self.mirror.layer_order[lo:hi]) for lo, hi in self.mirror.pair_ranges
         ]
         self._in_flight: list[_InFlight] = []
+        self._ready_event = self.streams.event("forward_ready")
+        self._spare_events: list[Any] = []
+        """Transfer completion events whose transfers completed: reused."""
         self._enqueued: dict[int, int] = {}
         self._completed: dict[int, int] = {}
         self._cow_done: set[int] = set()
@@ -468,9 +483,10 @@ class HiSparseWorker:
                     "HiSparse: per-layer mirror submissions covered part of resident "
                     f"group(s) {partial}; a group's layers are submitted together"
                 )
-        for index in range(len(self.mirror.pair_ranges)):
-            if index not in step.mirrored_ranges:
-                self._submit_mirror_range(step, index)
+        self._submit_mirror_ranges(
+            step,
+            [i for i in range(len(self.mirror.pair_ranges)) if i not in step.mirrored_ranges],
+        )
         self._submit_spills(step)
         if step.submitted:
             self.host_write.record(self.streams.dma)
@@ -484,24 +500,29 @@ class HiSparseWorker:
     # ----------------------------------------------------------- submit
 
     def _forward_ready(self, step: _StepState) -> Any:
-        """An event on the compute stream after the layers written so far."""
-        event = self.streams.event("forward_ready")
-        self.streams.record(event, self.streams.compute())
-        step.forward_ready = event
-        return event
+        """The compute stream's position after the layers written so far.
+        One event, re-recorded: a stream wait binds to the record current
+        when it is enqueued, so later records never move an earlier wait."""
+        self.streams.record(self._ready_event, self.streams.compute())
+        step.forward_ready = self._ready_event
+        return self._ready_event
 
     def _submit_mirror_range(self, step: _StepState, index: int) -> None:
-        step.mirrored_ranges.add(index)
-        if self.mirror.num_rows == 0:
+        self._submit_mirror_ranges(step, [index])
+
+    def _submit_mirror_ranges(self, step: _StepState, indices: list[int]) -> None:
+        """Mirror the rows of resident groups ``indices`` (ascending) behind
+        one ready event, one copy_descriptors launch per contiguous span
+        (a decode step's whole descriptor array is one span)."""
+        step.mirrored_ranges.update(indices)
+        if self.mirror.num_rows == 0 or not indices:
             return
         ready = self._forward_ready(step)
-        part = self.mirror.slice_of(index)
-        streams = self.streams
+        streams, m = self.streams, self.mirror
         with streams.on(streams.dma):
             streams.wait(streams.dma, ready)
-            self.runtime.ops.copy_descriptors(
-                self.mirror.src[part], self.mirror.dst[part], self.mirror.nbytes[part]
-            )
+            for part in m.spans_of(indices):
+                self.runtime.ops.copy_descriptors(m.src[part], m.dst[part], m.nbytes[part])
         step.submitted = True
 
     def _submit_spills(self, step: _StepState) -> None:
@@ -519,7 +540,7 @@ class HiSparseWorker:
             with streams.on(streams.dma):
                 streams.wait(streams.dma, ready)
                 self._page_copy(src, dst, sizes)
-        event = streams.event("transfer")
+        event = self._completion_event("transfer")
         with streams.on(streams.dma):
             if step.forward_ready is None:
                 # A zero-token step: the barrier still follows every earlier
@@ -539,9 +560,14 @@ class HiSparseWorker:
         )
         streams = self.streams
         self._page_copy(src, dst, sizes)
-        event = streams.event("restore")
+        event = self._completion_event("restore")
         streams.record(event, streams.compute())
         self._track(event, meta, indices)
+
+    def _completion_event(self, name: str) -> Any:
+        """An event for a batch of transfers: one whose transfers completed
+        (``take_acks`` returns it) or a new one; no event per step."""
+        return self._spare_events.pop() if self._spare_events else self.streams.event(name)
 
     def _track(
         self, event: Any, meta: HiSparseStepMetadata, indices: np.ndarray
@@ -604,6 +630,7 @@ class HiSparseWorker:
             if self.streams.query(item.event):
                 for tid in item.transfer_ids:
                     self._completed[tid] = item.step
+                self._spare_events.append(item.event)
             else:
                 still.append(item)
         self._in_flight = still

@@ -39,6 +39,11 @@ BF16_MLA_ROW_BYTES = 1152  # 576 bf16 elements (kv_lora_rank 512 + RoPE 64)
 # INV-28); the scheduler counts only its spill acks in shared mode.
 HOST_WRITER_RANK = 0
 
+# The worker samples the resolver's device counters every this many steps
+# (spec 2.12 says 2000; docs/worker.md K21): an asynchronous copy of a few
+# dozen bytes per index group, read back by event query a later step.
+STATS_INTERVAL_STEPS = 100
+
 # Virtual layer-name suffixes of the resident and hot groups (spec 3.1).
 RESIDENT_SUFFIX = ".hisparse_resident"
 HOT_SUFFIX = ".hisparse_hot"
@@ -65,4 +70,5 @@ __all__ = [
     "REGISTRATION_CHUNK_BYTES",
     "RESIDENT_SUFFIX",
     "ROW_ALIGN_BYTES",
+    "STATS_INTERVAL_STEPS",
 ]

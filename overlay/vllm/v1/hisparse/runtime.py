@@ -299,6 +299,9 @@ class HiSparseRuntime:
         """This step's decode-path extends (K13), if the decode rows of the
         batch are short prefill chunks rather than single tokens."""
         self.regions_assigned = 0
+        self.staging_blocks_peak = 0
+        """Most in-slab staging blocks one step's extends used since the
+        metrics sampler last read it (C12)."""
         self.prefill_seq_lens = np.zeros(0, dtype=np.int64)
 
     # ---------------------------------------------------------- geometry
@@ -425,6 +428,7 @@ class HiSparseRuntime:
                 f"HiSparse: {count} host-backed pages of short prefill chunks in one "
                 f"step exceed the {g.num_staging_blocks} in-slab staging blocks"
             )
+        self.staging_blocks_peak = max(self.staging_blocks_peak, count)
         ids = g.num_gpu_blocks + np.arange(count, dtype=np.int64)
         effective = []
         for table in resident:

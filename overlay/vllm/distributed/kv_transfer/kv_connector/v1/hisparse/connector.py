@@ -15,6 +15,13 @@ forward, zero-token steps included), ``save_kv_layer`` the per-layer mirror
 submission (W2), ``wait_for_save`` the step end (W3/W5, after the drafter),
 ``build_connector_worker_meta`` the acks (W6).
 
+Metrics (C12) take vLLM's KV-connector stats path: ``get_kv_connector_stats``
+returns the scheduler's counters and gauges every step on the scheduler side,
+and on a worker the resolver's device counters whenever an asynchronous copy
+of them has landed (``vllm.v1.hisparse.metrics``); ``build_kv_connector_stats``
+and ``build_prom_metrics`` give vLLM's loggers HiSparse's stats class and
+Prometheus series.
+
 Host prefix hits are local (the source group's prefix cache lives in the
 host pool), so this connector reports no external tokens. Under a
 MultiConnector it composes with the OffloadingConnector, which keeps the
@@ -29,11 +36,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metrics import (
+    HiSparseConnectorStats,
+    HiSparsePromMetrics,
+)
 from vllm.logger import init_logger
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
+from vllm.v1.hisparse.metrics import DeviceCounterSampler, SchedulerMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -66,6 +82,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._hisparse: HiSparseCoordinator | None = None
         self._worker: HiSparseWorker | None = None
+        self._scheduler_metrics: SchedulerMetrics | None = None
+        self._sampler: DeviceCounterSampler | None = None
 
     # ----------------------------------------------------------- binding
 
@@ -79,6 +97,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             "HiSparseConnector needs the HiSparse KV-cache layout: set "
             '--attention-config \'{"hisparse_config": {"host_pool_gib": ...}}\' '
             "on a sparse-MLA model.",
+        )
+        host_pool = getattr(self._kv_cache_config, "host_pool", None)
+        self._scheduler_metrics = SchedulerMetrics(
+            self._hisparse, host_pool.block_stride if host_pool is not None else 0
         )
 
     @property
@@ -140,6 +162,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def attach_worker(self, worker: "HiSparseWorker") -> None:
         """The runner's binding hands over the data plane (spec 2.9)."""
         self._worker = worker
+        # Every rank resolves the same top-k: rank 0 alone reports lookups.
+        self._sampler = DeviceCounterSampler(
+            worker.runtime, worker.streams, report_lookups=worker.rank == 0
+        )
 
     @property
     def worker(self) -> "HiSparseWorker":
@@ -187,6 +213,39 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # ------------------------------------------------------ metrics (C12)
+
+    def get_kv_connector_stats(self) -> HiSparseConnectorStats | None:
+        """Scheduler side: the coordinator's counters (deltas) and gauges,
+        every step. Worker side: the resolver's device counters when a copy
+        issued on an earlier step has landed (event query, no host sync),
+        else None. None when HiSparse is not bound."""
+        if self._sampler is not None:
+            report = self._sampler.sample()
+        elif self._scheduler_metrics is not None:
+            report = self._scheduler_metrics.collect()
+        else:
+            return None
+        return HiSparseConnectorStats.of(report) if report is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> HiSparseConnectorStats:
+        return HiSparseConnectorStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HiSparsePromMetrics:
+        return HiSparsePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
 
 __all__ = ["HiSparseConnector", "HiSparseStepMetadata", "HiSparseWorkerAck"]

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The debug-only host-row fault of the e2e negative control (docs/worker.md
-K21) on the CPU worker: off unless the env var is set at startup, fires once
+K26) on the CPU worker: off unless the env var is set at startup, fires once
 on a host-only context page of the batch after synchronizing the previous
 step's host writes, changes exactly that page's NoPE bytes in every layer,
 and the resolver then serves the corrupted bytes."""

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Debug-only fault injection for the e2e negative control (docs/worker.md K21).
+"""Debug-only fault injection for the e2e negative control (docs/worker.md K26).
 
 An e2e comparison must show it can fail (targets T1): with
 ``VLLM_HISPARSE_DEBUG_FAULTS=1`` in the environment when the worker starts,

@@ -115,7 +115,13 @@ def check(arms: dict[str, dict]) -> list[str]:
 
 def main() -> int:
     from run_e2e import MAX_MODEL_LEN
-    from serve_check import HISPARSE_FLAGS, complete, server_command, wait_ready
+    from serve_check import (
+        HISPARSE_FLAGS,
+        complete,
+        server_command,
+        stop_servers,
+        wait_ready,
+    )
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -181,13 +187,7 @@ def main() -> int:
         result["error"] = repr(err)
         result["pass"] = False
     finally:
-        for proc, _ in procs.values():
-            proc.terminate()
-        for proc, _ in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(procs)
     (out / "metrics.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({"pass": result["pass"], "failed": result.get("failed"),
                       "error": result.get("error"),

@@ -515,10 +515,10 @@ def measure_determinism(llm, name: str) -> dict:
     """The precondition of a bitwise gate, measured in the run's first
     engine: one request (single6k's prompt, 8 tokens, prefilled from scratch
     each time) run twice gives bitwise-identical tokens and logprobs with
-    the canonical top-k order; run twice with the pin's native order
-    (``FlashMLASparseImpl.canonical_topk`` off for prefill; decode graphs
-    keep what they captured) it may not."""
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+    the canonical top-k order; run twice with the pin's native order (the
+    flag off for prefill; decode graphs keep what they captured) it may
+    not."""
+    from vllm.v1.hisparse import determinism
 
     (turn,) = workload.scenario("single6k")[0]
     prompt = workload.prompt_of(turn, {})
@@ -530,14 +530,14 @@ def measure_determinism(llm, name: str) -> dict:
             runs.append(generate_records(llm, [prompt], [8], time.time() + 60)[0])
         return runs[0] == runs[1]
 
-    canonical = FlashMLASparseImpl.canonical_topk
+    canonical = determinism.CANONICAL_TOPK
     out = {"engine": name, "canonical_topk": canonical,
            "identical_with_canonical_order": twice() if canonical else None}
-    FlashMLASparseImpl.canonical_topk = False
+    determinism.CANONICAL_TOPK = False
     try:
         out["identical_with_native_order"] = twice()
     finally:
-        FlashMLASparseImpl.canonical_topk = canonical
+        determinism.CANONICAL_TOPK = canonical
     llm.reset_prefix_cache()
     return out
 
@@ -641,6 +641,12 @@ class Gate:
     def run(self) -> int:
         import torch
         import vllm
+        from vllm.v1.hisparse import determinism
+
+        # In-process engines read the flag per forward; whatever imported
+        # the module first, every engine of the gate sorts (the env var set
+        # above reaches TP workers' processes).
+        determinism.CANONICAL_TOPK = True
 
         self.R.update(vllm_version=vllm.__version__, torch=torch.__version__,
                       gpu=torch.cuda.get_device_name(0))

@@ -66,6 +66,18 @@ def server_command(model: Path, port: int, hisparse: bool) -> list[str]:
     return cmd + (HISPARSE_FLAGS if hisparse else OFF_FLAGS)
 
 
+def stop_servers(procs: dict) -> None:
+    """Terminate every server (``procs``: name -> (process, log)), then
+    kill any that has not exited within a minute."""
+    for proc, _ in procs.values():
+        proc.terminate()
+    for proc, _ in procs.values():
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -142,13 +154,7 @@ def main() -> int:
         result["error"] = repr(err)
         result["pass"] = False
     finally:
-        for proc, _ in procs.values():
-            proc.terminate()
-        for proc, _ in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(procs)
     (out / "serve.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "requests"}), flush=True)
     return 0 if result.get("pass") else 1

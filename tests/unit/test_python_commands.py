@@ -11,9 +11,7 @@ how it was called, and `python -E -S` plays the interpreter without them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,14 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(cmd: list[str], cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    return subprocess.run(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, timeout=300)
-
-
-def lines(text: str) -> list[str]:
-    return [ln for ln in text.splitlines() if ln.strip()]
+from test_cli import lines, run  # one way to run a command (tests/unit is on sys.path)
 
 
 # --- hisparse-capacity --config ---------------------------------------------------

@@ -7,7 +7,8 @@ patch attention-flashmla-sparse-canonical-topk)."""
 import pytest
 import torch
 from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
-from vllm.v1.hisparse.determinism import canonicalize_step_topk, canonicalize_topk
+from vllm.v1.hisparse import determinism
+from vllm.v1.hisparse.determinism import canonicalize_topk
 
 
 def test_rows_sort_ascending_with_no_position_last():
@@ -33,40 +34,60 @@ def test_any_permutation_of_a_row_gives_one_order():
     assert (outs[0][0, :200] >= 0).all() and (outs[0][0, 200:] == -1).all()
 
 
-def test_only_this_forwards_rows_are_touched():
-    buffer = torch.tensor([[3, 1], [2, 0], [9, 8]], dtype=torch.int32)
-    canonicalize_step_topk(buffer, (torch.zeros(2, 4), torch.zeros(2, 1)))
-    assert buffer.tolist() == [[1, 3], [0, 2], [9, 8]]
-
-
-@pytest.mark.parametrize("hisparse", [True, False], ids=["on", "off"])
-def test_forward_mqa_sorts_before_either_path(monkeypatch, hisparse):
-    """The hook in the real FlashMLASparseImpl.forward_mqa sorts the rows
-    before the HiSparse path and before the pin's own, and does nothing
-    while the flag is off."""
+def test_pins_forward_mqa_sorts_this_forwards_rows_only_when_asked(monkeypatch):
+    """The hook in the real FlashMLASparseImpl.forward_mqa (HiSparse off):
+    the rows of this forward's tokens are sorted before the kernels see
+    them, the rest of the buffer is untouched, and nothing happens while
+    the flag is off."""
     seen = []
     impl = object.__new__(FlashMLASparseImpl)
-    impl.topk_indices_buffer = torch.tensor([[5, 2, -1, 4]], dtype=torch.int32)
+    impl.hisparse = None
     impl.kv_cache_dtype = "fp8_ds_mla"
+    md = type("MD", (), {"fp8_use_mixed_batch": False})()
+
+    def record(q, kv, topk, attn_metadata):
+        seen.append(topk.clone())
+        return q
+
+    monkeypatch.setattr(impl, "_forward_fp8_kv_separate_prefill_decode", record,
+                        raising=False)
     q = torch.zeros(1, 2, 576)
-
-    def record(*args, **kwargs):
-        seen.append(impl.topk_indices_buffer.clone())
-        return q, None
-
-    if hisparse:
-        import vllm.v1.hisparse.index_groups as index_groups
-
-        impl.hisparse = object()
-        monkeypatch.setattr(index_groups, "hisparse_forward_mqa", record)
-    else:
-        impl.hisparse = None
-        md = type("MD", (), {"fp8_use_mixed_batch": False})()
-        monkeypatch.setattr(impl, "_forward_fp8_kv_separate_prefill_decode", record,
-                            raising=False)
-    monkeypatch.setattr(FlashMLASparseImpl, "canonical_topk", False)
-    impl.forward_mqa(q, None, None if hisparse else md, None)
-    monkeypatch.setattr(FlashMLASparseImpl, "canonical_topk", True)
-    impl.forward_mqa(q, None, None if hisparse else md, None)
+    for flag in (False, True):
+        impl.topk_indices_buffer = torch.tensor([[5, 2, -1, 4], [9, 8, 7, 6]],
+                                                dtype=torch.int32)
+        monkeypatch.setattr(determinism, "CANONICAL_TOPK", flag)
+        impl.forward_mqa(q, None, md, None)
+        assert impl.topk_indices_buffer[1].tolist() == [9, 8, 7, 6]
     assert seen[0].tolist() == [[5, 2, -1, 4]]
     assert seen[1].tolist() == [[2, 4, 5, -1]]
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_hisparse_forward_mqa_sorts_before_resolving(monkeypatch, flag):
+    """HiSparse's attention path sorts the same rows the same way before its
+    decode rows are resolved, so both arms attend in one order."""
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata
+    from vllm.v1.hisparse import index_groups
+
+    seen = []
+
+    class Runtime:
+        geometry = type("G", (), {"max_decode_query_len": 1})()
+        layers = {"l": None}
+
+        def decode_rows(self, name, n, topk, seq_lens, block_table):
+            seen.append(topk[:n].clone())
+            raise StopIteration  # enough: the rows as the resolver got them
+
+    impl = object.__new__(FlashMLASparseImpl)
+    impl.topk_indices_buffer = torch.tensor([[5, 2, -1, 4]], dtype=torch.int32)
+    impl.hisparse = type("B", (), {"runtime": Runtime(), "layer_name": "l"})()
+    fp8 = object.__new__(FlashMLASparseMetadata.FP8SeparatePrefillDecode)
+    fp8.num_decode_tokens = 1
+    fp8.decode = type("D", (), {"decode_query_len": 1})()
+    md = type("MD", (), {"fp8_extra_metadata": fp8, "seq_lens": None,
+                         "block_table": None})()
+    monkeypatch.setattr(determinism, "CANONICAL_TOPK", flag)
+    with pytest.raises(StopIteration):
+        index_groups.hisparse_forward_mqa(impl, torch.zeros(1, 2, 576), None, md, None)
+    assert seen[0].tolist() == ([[2, 4, 5, -1]] if flag else [[5, 2, -1, 4]])

@@ -11,13 +11,19 @@ attention output, and on a model with near-ties in its logits, in greedy
 tokens (measured on the H200: results/e2e/README.md). A bitwise comparison
 of two engines (HiSparse on vs off, target T1) therefore needs one order in
 both: with ``VLLM_HISPARSE_CANONICAL_TOPK=1`` at startup, FlashMLA sparse
-sorts each row before attention, HiSparse on or off (patch
-attention-flashmla-sparse-canonical-topk). Production leaves it off.
+sorts each row of this forward before attention (patch
+attention-flashmla-sparse-canonical-topk), and so does HiSparse's attention
+path (``index_groups.hisparse_forward_mqa``). Production leaves it off.
 """
+
+import os
 
 import torch
 
 ENV = "VLLM_HISPARSE_CANONICAL_TOPK"
+CANONICAL_TOPK = os.environ.get(ENV) == "1"
+"""Read once at import; tests and the e2e gate's determinism control may
+flip it at run time (FlashMLA sparse and HiSparse read it per forward)."""
 
 
 def canonicalize_topk(topk: torch.Tensor) -> None:
@@ -33,11 +39,4 @@ def canonicalize_topk(topk: torch.Tensor) -> None:
     topk.copy_(torch.where(ordered == last, torch.full_like(topk, -1), ordered))
 
 
-def canonicalize_step_topk(buffer: torch.Tensor, q) -> None:
-    """The rows of this forward's tokens (``q``: the query, or its
-    (nope, pe) pair) in the indexer's shared top-k buffer."""
-    num_tokens = q[0].shape[0] if isinstance(q, tuple) else q.shape[0]
-    canonicalize_topk(buffer[:num_tokens])
-
-
-__all__ = ["ENV", "canonicalize_step_topk", "canonicalize_topk"]
+__all__ = ["CANONICAL_TOPK", "ENV", "canonicalize_topk"]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm.v1.hisparse import determinism
 from vllm.v1.hisparse.staging import StagingCache
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ def hisparse_forward_mqa(
         )
     num_tokens = q.shape[0]
     topk = impl.topk_indices_buffer[:num_tokens]
+    if determinism.CANONICAL_TOPK:  # test-only: one order in both arms (T1)
+        determinism.canonicalize_topk(topk)
     num_decode_tokens = fp8.num_decode_tokens
     num_prefill_tokens = num_tokens - num_decode_tokens
     rt = binding.runtime

@@ -5,11 +5,11 @@ vLLM's real scheduler with the simulated worker's per-slot LRU of host rows.
 Hot entries are keyed by host row g; a hit is served from the hot slot's
 bytes in the request's hot-group blocks, so an entry that outlives the bytes
 it names is a wrong read. The scheduler's part of INV-24 is what these tests
-check: every region it announces gets a freshly reset slot, and the host
-blocks it reallocates are listed (``new_source_block_ids``) so that entries
-keyed by their rows drop. Each test also shows that the double would catch
-the stale entry a missing invalidation leaves behind (the guard is not
-vacuous).
+check: every region it announces gets a freshly reset slot, which alone
+keeps every hit exact across host-block reallocation (docs/worker.md K27:
+the worker runs no trigger-2 pass over ``new_source_block_ids``). Each test
+also shows that the double would catch the stale entry a missing
+invalidation leaves behind (the guard is not vacuous).
 """
 
 import pytest
@@ -71,20 +71,19 @@ def test_each_announced_region_gets_a_freshly_reset_slot(build):
 
 
 @pytest.mark.parametrize("reset", [True, False])
-def test_reallocated_host_blocks_drop_hot_entries(build, reset):
-    """INV-24 (4.8 trigger 2): one request at a time (max_num_seqs=1, so
-    every region takes slot 0) on a host pool that fits about one request,
-    under GPU pressure (pages lost, read from host through the hot buffer).
-    Each request gets the host blocks its predecessor used. With the slot
-    reset off, the entries the predecessor left are keyed by exactly those
-    rows: only the scheduler's ``new_source_block_ids`` (every host block
-    allocated in the step) drops them, and every hot hit stays exact. With
-    that list ignored as well, the double reads a stale row."""
-    s, w = build(num_gpu_blocks=60, num_host_blocks=22, max_num_seqs=1,
-                 admission_max_tokens=128)
-    w.hot_invalidation.reset_on_assign = reset
+def test_reallocated_host_blocks_never_serve_a_stale_hot_entry(build, reset):
+    """INV-24 (4.8 triggers 1 and 2, docs/worker.md K27): one request at a
+    time (max_num_seqs=1, so every region takes slot 0) on a host pool that
+    fits about one request, under GPU pressure (pages lost, read from host
+    through the hot buffer). Each request gets the host blocks its
+    predecessor used, so the predecessor's entries are keyed by exactly
+    those rows. The slot reset at each region's assignment drops them: with
+    it, and no trigger-2 pass, every hot hit stays exact; without it (and
+    still no trigger-2 pass) the double reads a stale row. With the reset
+    off, the trigger-2 pass alone would also have caught them: it is the
+    redundant one."""
 
-    def run():
+    def run(s, w):
         for i in range(3):
             s.add_request(make_request(f"r{i}", prompt(900, i), 20))
             for _ in range(3000):
@@ -93,19 +92,25 @@ def test_reallocated_host_blocks_drop_hot_entries(build, reset):
                 step(s, w)
         drain(s, w)
 
-    run()
-    assert hs(s).stats.lost_pages > 0 and w.hot_hits > 100
-    if not reset:
-        assert w.hot_invalidated > 0  # the scheduler's list did the work
+    s, w = build(num_gpu_blocks=60, num_host_blocks=22, max_num_seqs=1,
+                 admission_max_tokens=128)
+    assert not w.hot_invalidation.new_source_blocks  # as the real worker
+    w.hot_invalidation.reset_on_assign = reset
+    if reset:
+        run(s, w)
+        assert hs(s).stats.lost_pages > 0 and w.hot_hits > 100
+        assert w.hot_invalidated == 0  # nothing left for trigger 2 to drop
+        check_drained(s)
+        assert check_published(s, w) > 0
+    else:
+        with pytest.raises(ProtocolError, match="stale hot entry"):
+            run(s, w)
         s, w = build(num_gpu_blocks=60, num_host_blocks=22, max_num_seqs=1,
                      admission_max_tokens=128)
         w.hot_invalidation.reset_on_assign = False
-        w.hot_invalidation.new_source_blocks = False
-        with pytest.raises(ProtocolError, match="stale hot entry"):
-            run()
-    else:
-        check_drained(s)
-        assert check_published(s, w) > 0
+        w.hot_invalidation.new_source_blocks = True
+        run(s, w)
+        assert w.hot_invalidated > 0
 
 
 class SlotOverflow(AssertionError):

@@ -554,18 +554,11 @@ class HiSparseRuntime:
         return ws.out_rows[:nd], ws.valid_counts[:nd]
 
     # -------------------------------------------------- hot invalidation
-
-    def invalidate_host_blocks(self, host_blocks: np.ndarray) -> None:
-        """Hot entries keyed by rows of (re)allocated host blocks are stale
-        (4.8 trigger 2). Dropping an entry only costs a later miss, so every
-        slot is checked, not just the scheduled ones."""
-        if not host_blocks.size or not self.has_hot_requests:
-            return
-        b = self.block_size
-        rows = (host_blocks.astype(np.int64)[:, None] * b + np.arange(b)).ravel()
-        keys = self._index(rows).to(torch.int32)
-        for group in self.groups:
-            group.dgi.masked_fill_(torch.isin(group.dgi, keys), -1)
+    # Trigger 1 (a fresh slot for every region, apply_hot_regions) and
+    # trigger 3 (rows a forward rewrote) cover every stale entry; spec 4.8's
+    # trigger 2 (rows of reallocated host blocks) cannot find one: a live
+    # slot keys only rows of its request's own host blocks, which stay
+    # allocated while it lives (docs/worker.md K27).
 
     def invalidate_written(self, num_tokens: int) -> None:
         """K4 after the forward: hot entries of rows this forward rewrote

@@ -418,7 +418,6 @@ class HiSparseWorker:
         rt.apply_hot_regions(
             meta.hot_regions_freed, meta.hot_regions_allocated, meta.hot_region_requests
         )
-        rt.invalidate_host_blocks(meta.new_source_block_ids)
         self.reused_block_ids = meta.reused_block_ids
         restore = meta.transfer_restore.astype(bool)
         if restore.any():

@@ -236,9 +236,13 @@ def estimate_s(cfg: AgenticConfig) -> dict:
     starts = (90 + 15 * len(cfg.arms)) if cfg.parallel_start else 75 * len(cfg.arms)
     level = {}
     for c in cfg.concurrency:
-        step_ms = 2.0 + 0.25 * min(c, cfg.max_num_seqs)
-        per_conv = s.turns * (s.output * step_ms / 1e3 + 0.3 + s.first / 40000 / s.turns)
-        level[c] = round(per_conv * cfg.conversations_per_client * cfg.rounds + 10)
+        n = cfg.conversations_at(c)
+        step_ms = 2.0 + 0.25 * min(c * cfg.conversations_per_client, cfg.max_num_seqs)
+        # decode: a client's turns one after another, the clients in parallel;
+        # prefill: every conversation's first turn, ~40K tokens/s, one after another
+        decode = s.turns * (s.output * step_ms / 1e3 + 0.3) * n / c
+        prefill = n * (s.first + (s.turns - 1) * s.later) / 40000
+        level[c] = round(decode + prefill + 10)
     total = starts + len(cfg.arms) * sum(level.values()) + 20
     return {"server_starts_s": starts, "level_s": level, "total_s": round(total)}
 

@@ -411,6 +411,7 @@ def build_report(*, cfg: TaxConfig | None, command: str | None, samples: list,
                   "prompts prefix-cached, greedy, ignore_eos; arms alternate within each "
                   "repetition (rotated order); medians and spreads over repetitions",
         "runs": runs,
+        "versions": versions_of(engines_info),
         "engines": engines_info,
         "summary": summary,
         "fit": {m: {str(b): f for b, f in fb.items()} for m, fb in fits(summary).items()},
@@ -420,6 +421,20 @@ def build_report(*, cfg: TaxConfig | None, command: str | None, samples: list,
         "failures": failures,
         "merged_from": merged_from or [],
     }
+
+
+def versions_of(engines_info: Mapping) -> dict:
+    """flavor (ours | upstream) -> the versions its engines reported (one
+    entry unless engines disagree)."""
+    out: dict = {}
+    for e in engines_info.values():
+        v = e.get("versions")
+        if v:
+            seen = out.setdefault(e.get("flavor") or ARMS.get(e.get("arm"), {}).get("vllm", "?"),
+                                  [])
+            if v not in seen:
+                seen.append(v)
+    return out
 
 
 def merge(reports: list[Mapping], sources: list[str]) -> dict:

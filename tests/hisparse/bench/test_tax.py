@@ -13,11 +13,13 @@ from benchlib.engine_worker import prompts_for, to_configs
 
 DOC_COMMANDS = {  # docs/benchmarks.md: one device call each
     "tax-4": dict(modes=["default", "fdo"], layers=[4],
-                  arms=["off", "on", "on_offload", "on_lazy"], profile=True),
+                  arms=["off", "on", "on_offload", "on_lazy"], profile=True,
+                  profile_batches=[16]),
     "tax-32-default": dict(modes=["default"], layers=[32]),
     "tax-32-fdo": dict(modes=["fdo"], layers=[32]),
-    "tax-upstream": dict(modes=["default", "fdo"], layers=[4], arms=["u_off", "u_on"]),
-    "mirror": dict(modes=["default"], layers=[4], arms=["on", "on_lazy"], batches=[16]),
+    "tax-upstream": dict(modes=["default", "fdo"], layers=[4], arms=["u_off", "u_on"],
+                         profile=True, profile_batches=[16]),
+    "mirror": dict(modes=["default", "fdo"], layers=[4], arms=["on", "on_lazy"], batches=[16]),
 }
 
 

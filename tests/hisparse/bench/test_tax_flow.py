@@ -66,6 +66,7 @@ def test_full_run(tax_cmd):
     assert eng["no_pressure"] == {"no_misses": True, "no_lost_pages": True,
                                   "no_hot_regions": True, "counters_read": True}
     assert eng["versions"]["vllm"] == "fake"
+    assert rep["versions"] == {"ours": [{"vllm": "fake", "torch": "x"}]}
     assert "no_pressure" not in rep["engines"]["default/L4/off"]
 
 

@@ -83,6 +83,7 @@ def test_all_arms_every_level(agentic_cmd, tmp_path):
         assert lv["client"]["failures"] == 0 and lv["client"]["output_tokens"] > 0
         assert 0 < lv["server"]["mean_running"] <= c and lv["server"]["peak_running"] <= c
         assert lv["server"]["generation_tokens"] == lv["client"]["output_tokens"]
+        assert lv["client_vs_server_tokens"] == 1.0
         assert lv["reset"]["reset"] is True and lv["series"]
         assert "--num-clients" in lv["tool_command"]
     by = {(lv["arm"], lv["concurrency"]): lv for lv in rep["levels"]}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from benchlib import agentic, common, plot
-from test_upstream import make_bundle
+from upstream_bundle import make_bundle
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

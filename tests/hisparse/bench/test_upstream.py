@@ -3,37 +3,11 @@
 once (and its DeepGEMM swap once), and the environment its processes get
 (its site alone, never our stage's, model runner V2)."""
 
-import io
 import os
-import tarfile
-from pathlib import Path
 
 import pytest
 from benchlib import common, upstream
-
-
-def tar_xz(files: dict[str, str]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:xz") as t:
-        for name, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            t.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def make_bundle(d: Path, with_dg: bool = True) -> Path:
-    d.mkdir(parents=True)
-    blob = tar_xz({"site/vllm/__init__.py": "__version__ = '0.30.0'\n",
-                   "site/vllm/third_party/deep_gemm/__init__.py": "# 0.30.0's\n"})
-    half = len(blob) // 2
-    (d / "site030.tar.xz.part0").write_bytes(blob[:half])
-    (d / "site030.tar.xz.part1").write_bytes(blob[half:])
-    if with_dg:
-        (d / "dg026.tar.xz").write_bytes(tar_xz({"vllm/third_party/deep_gemm/__init__.py":
-                                                 "# 0.26.0's\n"}))
-    return d
+from upstream_bundle import make_bundle
 
 
 def test_stage_unpacks_the_parts_once_and_swaps_deep_gemm(tmp_path):

@@ -137,6 +137,23 @@ def child_env(base: dict | None = None, *, variant: str | None = None,
     return env
 
 
+def log_digest(log_dir: Path, out_file: Path, lines: int = 150) -> Path | None:
+    """The last ``lines`` lines of every log in ``log_dir``, one file (a
+    device call returns at most 8 files: the logs themselves stay behind)."""
+    logs = sorted(Path(log_dir).glob("*.log"))
+    if not logs:
+        return None
+    parts = []
+    for log in logs:
+        text = log.read_text(errors="replace").splitlines()
+        parts.append(f"===== {log.name} (last {min(lines, len(text))} of {len(text)} lines)")
+        parts += text[-lines:]
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text("\n".join(parts) + "\n")
+    return out_file
+
+
 # ------------------------------------------------------- the tiny model
 
 

@@ -101,6 +101,9 @@ def test_all_arms_every_level(agentic_cmd, tmp_path):
     assert p8["pass"] in (None, False) and p8["measured"]["tax"] is None
     assert "the tax comparison" in p8["why"] or p8["pass"] is False
     assert (out / "bench-agentic-command.txt").read_text().startswith("scripts/bench-agentic ")
+    logs = (out / "bench-agentic-logs.txt").read_text()
+    assert "===== server_upstream.log" in logs and "===== tool_plain_c3.log" in logs
+    assert "num_failures=0" in logs
     # the same conversations for every arm of a level, other ones per level
     work = tmp_path / "work" / "workload"
     c2, c3 = (json.loads((work / f"conversations_c{c}.json").read_text()) for c in (2, 3))

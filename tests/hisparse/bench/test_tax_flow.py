@@ -36,7 +36,7 @@ def tax_cmd(bench_tax, monkeypatch, tmp_path):
     return run
 
 
-def test_full_run(tax_cmd):
+def test_full_run(tax_cmd, tmp_path):
     rc, rep, calls = tax_cmd("--arms", "off,on,on_offload,on_lazy", "--modes", "default,fdo",
                              "--layers", "4,32", "--batches", "1,16", "--reps", "4",
                              "--profile", "--profile-batches", "16")
@@ -68,6 +68,8 @@ def test_full_run(tax_cmd):
     assert eng["versions"]["vllm"] == "fake"
     assert rep["versions"] == {"ours": [{"vllm": "fake", "torch": "x"}]}
     assert "no_pressure" not in rep["engines"]["default/L4/off"]
+    logs = (tmp_path / "out" / "bench-tax-logs.txt").read_text()
+    assert logs.count("===== ") == 16 and "fdo_L32_on_lazy.log" in logs
 
 
 def test_an_engine_that_does_not_start_is_reported_and_the_rest_run(tax_cmd, monkeypatch):

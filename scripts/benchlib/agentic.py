@@ -208,6 +208,10 @@ class AgenticConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1)")
         if self.poll_s <= 0:
             raise ValueError("--poll must be > 0")
+        need = self.max_model_len * PLAIN_BYTES_PER_TOKEN
+        if self.kv_bytes < need:
+            raise ValueError(f"--kv-bytes {self.kv_bytes} cannot hold one max_model_len request "
+                             f"of plain vLLM (~{need / MIB:.0f} MiB): vLLM would refuse to start")
 
     def conversations_at(self, c: int) -> int:
         return c * self.conversations_per_client * self.rounds

@@ -92,6 +92,7 @@ def test_jitter_averages_out_to_the_target():
     (dict(arms=["vanilla"]), "unknown arm"), (dict(scale=0.3), "max_model_len"),
     (dict(concurrency=[128]), "max-num-seqs"), (dict(weights="x"), "weights"),
     (dict(conversations_per_client=0), "conversations-per-client"), (dict(poll_s=0), "poll"),
+    (dict(kv_bytes=32 * agentic.MIB), "cannot hold one max_model_len request"),
 ])
 def test_config_refuses(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -120,8 +121,8 @@ def test_hisparse_admits_a_max_model_len_request_in_the_default_budget():
                                 admission_max_tokens=c.chunk, host_pool_bytes=0)
         lay = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
         assert lay.gpu_bytes_per_request(c.max_model_len) < c.kv_bytes / 2
-        # plain vLLM fits one longest conversation too (or it could not serve it)
-        assert c.shape().max_context() * agentic.PLAIN_BYTES_PER_TOKEN < c.kv_bytes
+        # plain vLLM's own startup check: one max_model_len request fits the pool
+        assert c.max_model_len * agentic.PLAIN_BYTES_PER_TOKEN < c.kv_bytes
 
 
 def test_documented_our_arms_command_fits_one_device_call():

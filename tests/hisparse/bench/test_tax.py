@@ -229,7 +229,13 @@ def test_fit_needs_two_layer_counts():
     assert tax.evaluate(summary)["P2_split"]["pass"] is None
 
 
-def test_evaluate_p2_uses_the_fewest_layers_and_p6_batch16():
+def test_p2_is_read_on_the_tiny_model_only():
+    s = tax.summarize(samples({"off": {("default", 32, 1): 8.0},
+                               "on": {("default", 32, 1): 8.1}}))
+    assert tax.evaluate(s)["P2"]["pass"] is None  # a 32-layer run alone says nothing of P2
+
+
+def test_evaluate_p2_uses_the_tiny_model_and_p6_batch16():
     step = {"off": {}, "on": {}, "on_lazy": {}, "on_offload": {}}
     for mode in ("default", "fdo"):
         for b in (1, 8, 16):

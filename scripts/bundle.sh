@@ -24,8 +24,9 @@
 #   patch-K.tar.xz  rebuilt every time: the patched tree's vllm/ package
 #                   (scripts/apply.sh: whatever overlay/ and patches/ hold now,
 #                   .py files and package data, no .so), its dist-info, the
-#                   kernel sources with scripts/build-kernels.sh, and the
-#                   prebuilt kernels when asked.
+#                   kernel sources with scripts/build-kernels.sh, vLLM's
+#                   benchmarks/multi_turn (scripts/bench-agentic's load), and
+#                   the prebuilt kernels when asked.
 #   bundle.json     sizes and sha256 of every part, the pin, the series and
 #                   overlay sha, the git commit.
 source "$(dirname "$0")/lib.sh"
@@ -146,6 +147,12 @@ EOF
 cp "$HS_ROOT/scripts/build-kernels.sh" "$pstage/kernels/scripts/"
 [[ -d "$tree/csrc/hisparse" ]] || hs_die "the patched tree has no csrc/hisparse (kernel sources)"
 cp -r "$tree/csrc/hisparse" "$pstage/kernels/overlay/csrc/"
+# vLLM's own multi-turn serving benchmark: scripts/bench-agentic's load
+# generator (STAGE/patch/benchmarks/multi_turn on the GPU host)
+[[ -f "$tree/benchmarks/multi_turn/benchmark_serving_multi_turn.py" ]] \
+  || hs_die "the patched tree has no benchmarks/multi_turn/benchmark_serving_multi_turn.py"
+mkdir -p "$pstage/benchmarks"
+cp -r "$tree/benchmarks/multi_turn" "$pstage/benchmarks/"
 find "$pstage" \( -name __pycache__ -o -name '*.pyc' -o -name '*.so' -o -name '*.o' \) -prune -exec rm -rf {} +
 ksha=$(cd "$pstage/kernels" && find . -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
 

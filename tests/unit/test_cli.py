@@ -96,6 +96,8 @@ MISSING_VALUE = [(p, opt) for p in COMMANDS if p.suffix == ".sh" for opt in valu
     (ROOT / "scripts/hisparse-capacity", "--context"),
     (ROOT / "scripts/bench-kernels", "--steps"),
     (ROOT / "scripts/bench-scheduler", "--steps"),
+    (ROOT / "scripts/bench-tax", "--reps"),
+    (ROOT / "scripts/bench-agentic", "--concurrency"),
 ]
 
 

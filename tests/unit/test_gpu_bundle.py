@@ -435,6 +435,7 @@ def test_real_bundle_members(real_bundle):
         if f.is_file():
             assert f"kernels/overlay/csrc/hisparse/{f.name}" in patch, f
     assert "kernels/scripts/build-kernels.sh" in patch
+    assert "benchmarks/multi_turn/benchmark_serving_multi_turn.py" in patch  # bench-agentic
     assert f"site/vllm-{m['version']}.dist-info/METADATA" in patch
     # the wheel's precompiled copy of a tree file goes in the base only
     assert "vllm-bin/vllm/third_party/flashmla/__init__.py" in base

@@ -1,5 +1,5 @@
 """The Python commands of scripts/ (bench-kernels, bench-scheduler,
-hisparse-capacity) and build-kernels.sh: the interpreter they pick, and
+hisparse-capacity, bench-tax, bench-agentic) and build-kernels.sh: the interpreter they pick, and
 hisparse-capacity's answer to a --config it cannot use.
 
 A command started by an interpreter without torch / the patched vLLM re-runs
@@ -56,7 +56,9 @@ def test_capacity_bad_config_is_one_line_naming_the_file(case: str, tmp_path: Pa
 
 FAKE_VENV_PYTHON = '#!/bin/sh\necho "venv python ($HISPARSE_VENV_REEXEC): $*"\n'
 PYTHON_COMMANDS = {"bench-kernels": ["--help"], "bench-scheduler": ["--help"],
-                   "hisparse-capacity": ["--preset", "glm-5.3"]}
+                   "hisparse-capacity": ["--preset", "glm-5.3"],
+                   # a run of our arms: their engines run on this interpreter
+                   "bench-tax": ["--arms", "off,on"], "bench-agentic": ["--arms", "plain"]}
 
 
 def repo_copy(tmp: Path, venv: bool) -> Path:
@@ -110,3 +112,19 @@ def test_build_kernels_without_a_venv_is_one_line(tmp_path: Path):
     assert proc.returncode != 0 and proc.stdout == ""
     assert lines(proc.stderr) == [
         "[build-kernels.sh] error: no .venv/bin/python: run scripts/build.sh first (or pass --python PY)"]
+
+
+@pytest.mark.parametrize("name, args, needle", [
+    ("bench-tax", ["--dry-run"], "estimate: engine starts"),
+    ("bench-agentic", ["--dry-run"], "estimate (rough)"),
+    # upstream's arms run on its own bundle: no .venv needed for them either
+    ("bench-agentic", ["--arms", "upstream", "--dry-run"], "HiSparseConnector"),
+])
+def test_bench_planning_needs_only_the_standard_library(name, args, needle, tmp_path):
+    """--dry-run (and --merge, --plot's data) run on any Python: the
+    benchmark library imports nothing but the standard library."""
+    repo = repo_copy(tmp_path, venv=False)
+    proc = run(bare_python(repo / "scripts" / name, *args), cwd=repo,
+               env={"HISPARSE_VENV_REEXEC": None})
+    assert proc.returncode == 0, proc.stderr
+    assert needle in proc.stdout

@@ -1,0 +1,525 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench-agentic: multi-turn agentic serving, plain vLLM vs the
+OffloadingConnector vs Hybrid HiSparse (+ upstream 0.30.0's HiSparse),
+targets P4, P5, P8. Pure logic; the I/O is serving.py and scripts/bench-agentic.
+
+The driver is vLLM's own multi-turn benchmark
+(benchmarks/multi_turn/benchmark_serving_multi_turn.py of the pinned tree),
+against ``vllm serve``; this module writes its input (a list of
+conversations, the tool's ShareGPT-like format), its command line, and
+reads its per-request statistics (--stats-json-output) and the server's
+/metrics samples.
+
+The workload scales the reference agentic trace (13 turns, a ~74K-token
+first turn, ~750-token later turns, ~220 output tokens): ``scale``
+multiplies the input lengths (the first turn and the later ones), outputs
+stay at the trace's length, every length jittered uniformly by
++-``jitter``. Conversations are token-exact on the tiny model's tokenizer
+(one word "wN" per token id N, whitespace-split): the chat template joins
+the messages with spaces, so a turn's prompt is exactly the history's
+tokens, and each assistant message's length is that turn's max_tokens
+(the tool takes it from the dataset). The model folder's tokenizer has no
+EOS (the tool's requests cannot ask for ignore_eos), so every turn
+generates exactly its max_tokens, as ``vllm bench serve --ignore-eos``
+would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import prom, stats, targets
+
+SCHEMA = "bench-agentic/1"
+TOOL = "benchmark_serving_multi_turn.py"
+VOCAB = 8192  # tests/e2e/make_tiny_glm5.py
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+SERVED_NAME = "tiny"
+GIB = 1 << 30
+MIB = 1 << 20
+# Plain vLLM's KV bytes per token of the 4-layer tiny model (fp8_ds_mla,
+# one uniform group: 2 GiB hold ~680K tokens in the e2e engines).
+PLAIN_BYTES_PER_TOKEN = 3158
+
+ARMS: dict[str, dict] = {
+    "plain": {"vllm": "ours", "doc": "vLLM 0.26.0 + this series, HiSparse off, no offloading "
+                                     "(sparse_mla_force_mqa=true: the bundle has no "
+                                     "FlashAttention)"},
+    "offload": {"vllm": "ours", "doc": "the OffloadingConnector alone (TieringOffloadingSpec): "
+                                       "the blog's baseline"},
+    "hisparse": {"vllm": "ours", "doc": "Hybrid HiSparse + the OffloadingConnector: "
+                                        "--attention-config '{\"hisparse_config\": ...}' "
+                                        "--kv-transfer-config '{...OffloadingConnector...}'"},
+    "upstream": {"vllm": "upstream", "doc": "upstream vLLM 0.30.0's HiSparse "
+                                            "(HiSparseConnector, model runner V2)"},
+}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The reference agentic trace (targets.md P4)."""
+
+    turns: int = 13
+    first_turn_tokens: int = 74000
+    turn_tokens: int = 750
+    output_tokens: int = 220
+
+
+@dataclass(frozen=True)
+class Shape:
+    turns: int
+    first: int
+    later: int
+    output: int
+    jitter: float
+
+    def bounds(self, mean: int) -> tuple[int, int]:
+        return max(1, math.floor(mean * (1 - self.jitter))), max(1, math.ceil(mean * (1 + self.jitter)))
+
+    def max_context(self) -> int:
+        """The longest a conversation's last request can get (prompt +
+        output), every length at its upper bound."""
+        f, later, out = self.bounds(self.first)[1], self.bounds(self.later)[1], \
+            self.bounds(self.output)[1]
+        return f + (self.turns - 1) * later + self.turns * out
+
+    def mean_context(self) -> float:
+        """The mean prompt + output of a conversation's requests."""
+        total, acc = 0.0, 0.0
+        for t in range(self.turns):
+            acc += self.first if t == 0 else self.later
+            total += acc + self.output
+            acc += self.output
+        return total / self.turns
+
+
+def shape(trace: Trace, scale: float, *, turns: int | None = None, first: int | None = None,
+          later: int | None = None, output: int | None = None, jitter: float = 0.2) -> Shape:
+    """The trace at ``scale`` (input lengths only); explicit lengths win."""
+    if not scale > 0:
+        raise ValueError(f"--scale must be > 0, not {scale}")
+    if not 0 <= jitter < 1:
+        raise ValueError(f"--jitter must be in [0, 1), not {jitter}")
+    s = Shape(turns=turns or trace.turns,
+              first=first or max(1, round(trace.first_turn_tokens * scale)),
+              later=later or max(1, round(trace.turn_tokens * scale)),
+              output=output or trace.output_tokens, jitter=jitter)
+    if s.turns < 1:
+        raise ValueError("--turns must be >= 1")
+    return s
+
+
+def fit_check(s: Shape, max_model_len: int) -> None:
+    if s.max_context() > max_model_len:
+        raise ValueError(
+            f"a conversation can reach {s.max_context()} tokens (first turn {s.first}, "
+            f"{s.turns - 1} turns of {s.later}, outputs {s.output}, +-{s.jitter:.0%}) > "
+            f"max_model_len {max_model_len}: lower --scale or raise --max-model-len")
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(n))
+
+
+def conversation(s: Shape, seed: str, conv_id: str) -> dict:
+    rng = random.Random(seed)
+    messages = []
+    for t in range(s.turns):
+        lo, hi = s.bounds(s.first if t == 0 else s.later)
+        messages.append({"role": "user", "content": _words(rng, rng.randint(lo, hi))})
+        lo, hi = s.bounds(s.output)
+        messages.append({"role": "assistant", "content": _words(rng, rng.randint(lo, hi))})
+    return {"id": conv_id, "messages": messages}
+
+
+def conversations(s: Shape, n: int, seed: int, level: int) -> list[dict]:
+    """``n`` conversations, the same for every arm at this level (seeded by
+    the run's seed, the level and the index); no two share a prefix."""
+    if n < 1:
+        raise ValueError("no conversation to generate")
+    return [conversation(s, f"agentic-{seed}-{level}-{i}", f"c{level}_{i}") for i in range(n)]
+
+
+def token_lengths(conv: Mapping) -> list[tuple[str, int]]:
+    return [(m["role"], len(m["content"].split())) for m in conv["messages"]]
+
+
+# --------------------------------------------------------------- config
+
+
+@dataclass
+class AgenticConfig:
+    arms: list[str] = field(default_factory=lambda: ["plain", "offload", "hisparse"])
+    concurrency: list[int] = field(default_factory=lambda: [4, 8, 16])
+    scale: float = 0.125
+    turns: int | None = None
+    first_turn_tokens: int | None = None
+    turn_tokens: int | None = None
+    output_tokens: int | None = None
+    jitter: float = 0.2
+    conversations_per_client: int = 1
+    rounds: int = 1
+    max_model_len: int = 16384
+    kv_bytes: int = 128 * MIB
+    chunk: int = 2048
+    max_num_seqs: int = 64
+    host_pool_gib: float = 8.0
+    offload_gib: float = 8.0
+    weights: str = "seeded"
+    variant: str = "n02"
+    gpu_memory_utilization: float = 0.12
+    compilation_config: dict | None = None
+    upstream_compilation_config: dict | None = None
+    seed: int = 0
+    budget_s: float = 540.0
+    level_timeout_s: float = 240.0
+    min_level_s: float = 40.0
+    poll_s: float = 0.5
+    request_timeout_s: int = 300
+    ready_timeout_s: float = 420.0
+    port_base: int = 8300
+    parallel_start: bool = True
+
+    def shape(self) -> Shape:
+        return shape(Trace(), self.scale, turns=self.turns, first=self.first_turn_tokens,
+                     later=self.turn_tokens, output=self.output_tokens, jitter=self.jitter)
+
+    def validate(self) -> None:
+        for a in self.arms:
+            if a not in ARMS:
+                raise ValueError(f"unknown arm {a} (known: {', '.join(ARMS)})")
+        if not self.arms:
+            raise ValueError("no arm given")
+        fit_check(self.shape(), self.max_model_len)
+        if max(self.concurrency) * self.conversations_per_client > self.max_num_seqs:
+            raise ValueError(f"the highest concurrency ({max(self.concurrency)}) exceeds "
+                             f"--max-num-seqs {self.max_num_seqs}: nothing could run more")
+        if self.conversations_per_client < 1 or self.rounds < 1:
+            raise ValueError("--conversations-per-client and --rounds must be >= 1")
+        if self.weights not in ("seeded", "dummy"):
+            raise ValueError(f"--weights must be seeded or dummy, not {self.weights}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1)")
+        if self.poll_s <= 0:
+            raise ValueError("--poll must be > 0")
+        need = self.max_model_len * PLAIN_BYTES_PER_TOKEN
+        if self.kv_bytes < need:
+            raise ValueError(f"--kv-bytes {self.kv_bytes} cannot hold one max_model_len request "
+                             f"of plain vLLM (~{need / MIB:.0f} MiB): vLLM would refuse to start")
+
+    def conversations_at(self, c: int) -> int:
+        return c * self.conversations_per_client * self.rounds
+
+    def port(self, arm: str) -> int:
+        return self.port_base + list(ARMS).index(arm)
+
+
+def pressure_hint(cfg: AgenticConfig) -> dict:
+    """How far the workload exceeds plain vLLM's pool (rough: 4 layers)."""
+    s = cfg.shape()
+    capacity = cfg.kv_bytes / PLAIN_BYTES_PER_TOKEN
+    return {"plain_pool_tokens_approx": round(capacity),
+            "mean_request_tokens": round(s.mean_context()),
+            "max_request_tokens": s.max_context(),
+            "plain_concurrent_requests_approx": round(capacity / s.mean_context(), 1),
+            "demand_tokens": {c: round(c * cfg.conversations_per_client * s.mean_context())
+                              for c in cfg.concurrency}}
+
+
+def estimate_s(cfg: AgenticConfig) -> dict:
+    """A rough prior: server starts, then every level's conversations
+    (turns x output tokens at a tiny-model step time that grows with the
+    batch; HiSparse and the blog's baselines alike)."""
+    s = cfg.shape()
+    starts = (90 + 15 * len(cfg.arms)) if cfg.parallel_start else 75 * len(cfg.arms)
+    level = {}
+    for c in cfg.concurrency:
+        n = cfg.conversations_at(c)
+        step_ms = 2.0 + 0.25 * min(c * cfg.conversations_per_client, cfg.max_num_seqs)
+        # decode: a client's turns one after another, the clients in parallel;
+        # prefill: every conversation's first turn, ~40K tokens/s, one after another
+        decode = s.turns * (s.output * step_ms / 1e3 + 0.3) * n / c
+        prefill = n * (s.first + (s.turns - 1) * s.later) / 40000
+        level[c] = round(decode + prefill + 10)
+    total = starts + len(cfg.arms) * sum(level.values()) + 20
+    return {"server_starts_s": starts, "level_s": level, "total_s": round(total)}
+
+
+# ------------------------------------------------------ command lines
+
+
+def offload_config(cfg: AgenticConfig) -> dict:
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                          "cpu_bytes_to_use": int(cfg.offload_gib * GIB)}}
+
+
+def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
+    force_mqa = json.dumps({"sparse_mla_force_mqa": True})
+    if arm == "plain":
+        flags = ["--attention-config", force_mqa]
+    elif arm == "offload":
+        flags = ["--attention-config", force_mqa,
+                 "--kv-transfer-config", json.dumps(offload_config(cfg))]
+    elif arm == "hisparse":
+        flags = ["--attention-config",
+                 json.dumps({"hisparse_config": {"host_pool_gib": cfg.host_pool_gib}}),
+                 "--kv-transfer-config", json.dumps(offload_config(cfg))]
+    elif arm == "upstream":
+        flags = ["--attention-config", force_mqa, "--kv-transfer-config", json.dumps({
+            "kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"host_pool_gib": cfg.host_pool_gib}})]
+    else:
+        raise ValueError(f"unknown arm {arm}")
+    cc = cfg.upstream_compilation_config if arm == "upstream" else cfg.compilation_config
+    if cc:
+        flags += ["--compilation-config", json.dumps(cc)]
+    return flags
+
+
+def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str) -> list[str]:
+    """``vllm serve`` (as ``python -m vllm.entrypoints.cli.main serve``: the
+    same CLI, on the interpreter whose PYTHONPATH holds the arm's vLLM)."""
+    return [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+            "--port", str(cfg.port(arm)), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
+            "--max-model-len", str(cfg.max_model_len),
+            "--max-num-batched-tokens", str(cfg.chunk), "--max-num-seqs", str(cfg.max_num_seqs),
+            "--kv-cache-memory-bytes", str(cfg.kv_bytes),
+            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+            "--seed", str(cfg.seed), "--generation-config", "vllm",
+            "--load-format", "hisparse_seeded" if cfg.weights == "seeded" else "dummy",
+            *arm_flags(arm, cfg)]
+
+
+def tool_command(python: str, tool: Path, model_dir: str, url: str, input_file: Path,
+                 stats_file: Path, c: int, cfg: AgenticConfig) -> list[str]:
+    """vLLM's multi-turn benchmark: ``c`` clients, each with
+    conversations_per_client active conversations, no think time (agents
+    send their next turn at once), round-robin over a client's
+    conversations; it stops when the first client runs out of work."""
+    return [python, str(tool), "--model", model_dir, "--served-model-name", SERVED_NAME,
+            "--url", url, "--input-file", str(input_file),
+            "--num-clients", str(c),
+            "--max-active-conversations", str(c * cfg.conversations_per_client),
+            "--seed", str(cfg.seed), "--request-timeout-sec", str(cfg.request_timeout_s),
+            "--stats-json-output", str(stats_file)]
+
+
+def prepare_model(path: Path) -> dict:
+    """The tiny model folder for serving the tool's chat requests: a chat
+    template that joins the messages with spaces, no EOS anywhere (neither
+    the tokenizer's nor config.json's, which vLLM's generation config would
+    take), no special tokens (every id decodes to a word and back)."""
+    path = Path(path)
+    cfg_path, tok_path = path / "config.json", path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    removed = {"config.json": [k for k in ("eos_token_id",) if k in cfg]}
+    for k in removed["config.json"]:
+        del cfg[k]
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    tok = json.loads(tok_path.read_text())
+    removed["tokenizer_config.json"] = [k for k in ("eos_token", "bos_token", "pad_token",
+                                                    "unk_token") if k in tok]
+    for k in removed["tokenizer_config.json"]:
+        del tok[k]
+    tok["chat_template"] = CHAT_TEMPLATE
+    tok_path.write_text(json.dumps(tok, indent=1))
+    return removed
+
+
+# ----------------------------------------------------------- summaries
+
+_FAILURES = re.compile(r"num_failures=(\d+)")
+
+
+def tool_failures(log_text: str) -> int | None:
+    """Failed requests, summed over the tool's clients ("Client N is done
+    (num_successes=..., num_failures=...)"); None if no client reported."""
+    found = _FAILURES.findall(log_text)
+    return sum(int(x) for x in found) if found else None
+
+
+def client_summary(records: Sequence[Mapping], failures: int | None) -> dict:
+    """The tool's per-request statistics -> throughput and latencies."""
+    out: dict = {"requests": len(records), "failures": failures}
+    if not records:
+        return out
+    start = min(r["start_time_ms"] for r in records)
+    end = max(r["start_time_ms"] + r["latency_ms"] for r in records)
+    runtime = (end - start) / 1e3
+    tokens = sum(r["output_num_tokens"] for r in records)
+    out.update(runtime_s=round(runtime, 3), output_tokens=tokens,
+               output_tokens_per_s=tokens / runtime if runtime > 0 else None,
+               input_tokens_mean=stats.spread([r["input_num_tokens"] for r in records])["median"],
+               input_tokens_max=max(r["input_num_tokens"] for r in records),
+               input_messages_max=max(r["input_num_turns"] for r in records),
+               conversations=len({r["conversation_id"] for r in records}))
+    for key, name in (("ttft_ms", "ttft_ms"), ("tpot_ms", "tpot_ms"),
+                      ("latency_ms", "latency_ms")):
+        vals = [r[key] for r in records if r[key] is not None and r[key] > 0]
+        if vals:
+            out[f"{name}_p50"] = stats.percentile(vals, 50)
+            out[f"{name}_p95"] = stats.percentile(vals, 95)
+    return out
+
+
+def _counter_keys(snap: Mapping) -> list[str]:
+    return [k for k in snap if k.endswith("_total") or k in (
+        "preemptions", "generation_tokens", "prompt_tokens", "prefix_cache_hits",
+        "prefix_cache_queries", "external_prefix_cache_hits",
+        "external_prefix_cache_queries") or k.startswith("prompt_tokens_by_source:")]
+
+
+def server_summary(snaps: Sequence[tuple[float, Mapping]], t0: float, t1: float) -> dict:
+    """/metrics samples around one level -> running requests (time-weighted
+    mean and peak over [t0, t1]), waiting, preemptions and tokens (deltas
+    from the last sample at or before t0 to the last one), HiSparse's series
+    (deltas of counters, last and peak of gauges) and its hot hit rate."""
+    snaps = sorted(snaps, key=lambda x: x[0])
+    if not snaps:
+        return {}
+    base = [s for s in snaps if s[0] <= t0]
+    first = base[-1] if base else snaps[0]
+    last = snaps[-1]
+    inside = [s for s in snaps if t0 <= s[0] <= t1]
+    out: dict = {"samples": len(snaps), "window_s": round(t1 - t0, 3)}
+    for key in ("running", "waiting", "kv_cache_usage"):
+        pts = [(t, s[key]) for t, s in snaps if s.get(key) is not None]
+        out[f"mean_{key}"] = stats.time_weighted_mean(pts, t0, t1) if pts else None
+        vals = [s[key] for _, s in inside if s.get(key) is not None]
+        out[f"peak_{key}"] = max(vals) if vals else None
+    deltas = {}
+    for k in _counter_keys(last[1]):
+        a, b = first[1].get(k), last[1].get(k)
+        if b is not None:
+            deltas[k] = b - (a or 0.0)
+    out["preemptions"] = deltas.get("preemptions")
+    dt = last[0] - first[0]
+    gen = deltas.get("generation_tokens")
+    out["generation_tokens"] = gen
+    out["generation_tokens_per_s"] = gen / dt if gen is not None and dt > 0 else None
+    out["prompt_tokens"] = deltas.get("prompt_tokens")
+    out["prompt_tokens_by_source"] = {k.split(":", 1)[1]: v for k, v in deltas.items()
+                                      if k.startswith("prompt_tokens_by_source:")}
+    for hit, query in (("prefix_cache_hits", "prefix_cache_queries"),
+                       ("external_prefix_cache_hits", "external_prefix_cache_queries")):
+        h, q = deltas.get(hit), deltas.get(query)
+        out[f"{hit.replace('_hits', '')}_hit_rate"] = h / q if h is not None and q else None
+    hs = {k: v for k, v in deltas.items() if k.startswith(prom.HISPARSE_PREFIX)}
+    for k in last[1]:
+        if k.startswith(prom.HISPARSE_PREFIX) and k not in hs:
+            vals = [s.get(k) for _, s in inside if s.get(k) is not None]
+            hs[k] = {"last": last[1][k], "peak": max(vals) if vals else last[1][k]}
+    out["hisparse"] = hs
+    hits = _first(hs, "vllm:hisparse_hits_total", "vllm:hisparse_hits")
+    looks = _first(hs, "vllm:hisparse_lookups_total", "vllm:hisparse_lookups")
+    out["hot_hit_rate"] = hits / looks if isinstance(hits, float) and isinstance(
+        looks, float) and looks > 0 else None
+    h2d = _first(hs, "vllm:hisparse_host_to_device_bytes_total",
+                 "vllm:hisparse_host_to_device_bytes")
+    out["h2d_bytes"] = h2d if isinstance(h2d, float) else None
+    return out
+
+
+def _first(d: Mapping, *keys: str):
+    for k in keys:
+        if k in d:
+            return d[k]
+    return None
+
+
+def running_series(snaps: Sequence[tuple[float, Mapping]], t0: float,
+                   max_points: int = 400) -> list[list[float]]:
+    """[[seconds since t0, running, waiting], ...], thinned to max_points."""
+    pts = [[round(t - t0, 2), s.get("running"), s.get("waiting")]
+           for t, s in sorted(snaps, key=lambda x: x[0]) if s.get("running") is not None]
+    if len(pts) > max_points:
+        step = len(pts) / max_points
+        pts = [pts[int(i * step)] for i in range(max_points)] + [pts[-1]]
+    return pts
+
+
+def cache_info(metrics_text: str) -> dict:
+    samples = prom.parse(metrics_text)
+    info = [s.labels for s in samples if s.name == "vllm:cache_config_info"]
+    keep = ("num_gpu_blocks", "block_size", "cache_dtype", "enable_prefix_caching",
+            "kv_cache_memory_bytes", "num_cpu_blocks")
+    return {k: v for k, v in (info[0] if info else {}).items() if k in keep}
+
+
+# -------------------------------------------------------------- report
+
+
+def level_key(lv: Mapping) -> tuple[str, int]:
+    return (lv["arm"], int(lv["concurrency"]))
+
+
+def build_report(*, cfg: AgenticConfig | None, command: str | None, arms: dict,
+                 levels: list, runs: list, failures: list, tax: Mapping | None = None,
+                 merged_from: list | None = None) -> dict:
+    by_key = {}
+    for lv in levels:  # a later record of the same arm and level wins
+        by_key[level_key(lv)] = lv
+    levels = sorted(by_key.values(), key=lambda lv: (int(lv["concurrency"]), lv["arm"]))
+    s = cfg.shape() if cfg else None
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "config": asdict(cfg) if cfg else None,
+        "workload": {"trace": asdict(Trace()), "shape": asdict(s) if s else None,
+                     "max_context": s.max_context() if s else None,
+                     "mean_request_tokens": round(s.mean_context()) if s else None,
+                     "pressure_hint": pressure_hint(cfg) if cfg else None},
+        "arm_docs": {a: ARMS[a]["doc"] for a in ARMS},
+        "runs": runs,
+        "arms": arms,
+        "levels": levels,
+        "targets": {"P4": targets.p4(levels), "P5": targets.p5(levels),
+                    "P8": targets.p8(levels, tax)},
+        "tax": tax,
+        "failures": failures,
+        "merged_from": merged_from or [],
+    }
+
+
+def merge(reports: Sequence[Mapping], sources: Sequence[str],
+          tax: Mapping | None = None) -> dict:
+    """Several runs (e.g. our arms in one device call, upstream's in the
+    next) as one report: arms and levels united (a later file wins for the
+    same arm and level), verdicts recomputed."""
+    arms, levels, runs, failures = {}, [], [], []
+    cfg = None
+    for rep, src in zip(reports, sources):
+        if rep.get("schema") != SCHEMA:
+            raise ValueError(f"{src}: not a {SCHEMA} report (schema {rep.get('schema')!r})")
+        for name, a in rep.get("arms", {}).items():
+            arms[name] = {**a, "source": src}
+        levels += [{**lv, "source": src} for lv in rep.get("levels", [])]
+        runs += [{**r, "source": src} for r in rep.get("runs", [])]
+        failures += [f"{src}: {f}" for f in rep.get("failures", [])]
+        tax = tax or rep.get("tax")
+        cfg = cfg or rep.get("config")
+    out = build_report(cfg=None, command=None, arms=arms, levels=levels, runs=runs,
+                       failures=failures, tax=tax, merged_from=list(sources))
+    out["config"] = cfg
+    if reports:
+        out["workload"] = reports[0].get("workload", out["workload"])
+    return out
+
+
+def tax_verdict(tax_report: Mapping | None) -> dict | None:
+    """bench-tax's P8_tax verdict, for P8 here."""
+    if not tax_report:
+        return None
+    return (tax_report.get("targets") or {}).get("P8_tax")
+
+
+def arms_in(levels: Iterable[Mapping]) -> list[str]:
+    return [a for a in ARMS if any(lv["arm"] == a for lv in levels)]

@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared by the benchmark commands: paths, the tiny model directory, the
+environment of the engines they start, JSON output, byte sizes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+E2E = REPO / "tests" / "e2e"
+PLUGIN = E2E / "seeded_weights"
+MAKE_MODEL = E2E / "make_tiny_glm5.py"
+DEFAULT_STAGE = os.environ.get("HISPARSE_STAGE", "/root/stage")
+SEEDED_LOAD_FORMAT = "hisparse_seeded"
+VARIANT_ENV = "HISPARSE_E2E_VARIANT"  # tests/e2e/seeded_init.py
+CANONICAL_TOPK_ENV = "VLLM_HISPARSE_CANONICAL_TOPK"
+# Never NVLink multicast on the lent hosts (KINDS.md); kept in every child.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+QUIET = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+         "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'128MiB', '128M', '2g', '1073741824' -> bytes (binary units)."""
+    m = _SIZE.match(str(text))
+    if m is None:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 128MiB, 2GiB, 1073741824)")
+    unit = (m.group(2) or "").lower()[:1]
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0 or value != int(value):
+        raise ValueError(f"not a positive whole number of bytes: {text!r}")
+    return int(value)
+
+
+def int_list(text: str, name: str = "list") -> list[int]:
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, not {text!r}") from None
+    if not out or any(x <= 0 for x in out):
+        raise ValueError(f"{name} must be positive integers, not {text!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} repeats a value: {text!r}")
+    return out
+
+
+def name_list(text: str, known, name: str) -> list[str]:
+    out = [x.strip() for x in str(text).split(",") if x.strip()]
+    unknown = [x for x in out if x not in known]
+    if unknown:
+        raise ValueError(f"unknown {name} {', '.join(unknown)} (known: {', '.join(known)})")
+    if not out:
+        raise ValueError(f"no {name} given")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} repeated: {text!r}")
+    return out
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def command_line(prog: str, argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in [prog, *argv])
+
+
+def write_json(path: Path, data) -> None:
+    """Atomically (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False, default=str) + "\n")
+    tmp.replace(path)
+
+
+def host_info() -> dict:
+    out = {"python": platform.python_version(), "machine": platform.machine(),
+           "hostname": platform.node()}
+    try:
+        gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                              timeout=20).stdout.strip().splitlines()
+        out["gpus"] = gpus
+    except (OSError, subprocess.TimeoutExpired):
+        out["gpus"] = []
+    return out
+
+
+def has_gpu() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True,
+                              timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def prepend_path(env: dict, var: str, *paths: str | Path) -> None:
+    parts = [str(p) for p in paths] + [p for p in env.get(var, "").split(os.pathsep) if p]
+    seen, out = set(), []
+    for p in parts:
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    env[var] = os.pathsep.join(out)
+
+
+def child_env(base: dict | None = None, *, variant: str | None = None,
+              in_process: bool) -> dict:
+    """The environment of an engine (our bundle's vLLM, as the parent has
+    it): the seeded-weights plugin and tests/e2e on PYTHONPATH, the weight
+    variant, timing defaults. The canonical top-k order of the e2e gate is
+    never set: production leaves it off, and it adds a sort per layer."""
+    env = dict(os.environ if base is None else base)
+    env.update(QUIET)
+    env.update(NO_MULTICAST)
+    env.pop(CANONICAL_TOPK_ENV, None)
+    prepend_path(env, "PYTHONPATH", SCRIPTS, PLUGIN, E2E)
+    if variant is not None:
+        env[VARIANT_ENV] = variant
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # not in the test bundle
+    return env
+
+
+def log_digest(log_dir: Path, out_file: Path, lines: int = 150) -> Path | None:
+    """The last ``lines`` lines of every log in ``log_dir``, one file (a
+    device call returns at most 8 files: the logs themselves stay behind)."""
+    logs = sorted(Path(log_dir).glob("*.log"))
+    if not logs:
+        return None
+    parts = []
+    for log in logs:
+        text = log.read_text(errors="replace").splitlines()
+        parts.append(f"===== {log.name} (last {min(lines, len(text))} of {len(text)} lines)")
+        parts += text[-lines:]
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text("\n".join(parts) + "\n")
+    return out_file
+
+
+# ------------------------------------------------------- the tiny model
+
+
+def model_config_matches(cfg: dict, layers: int, max_pos: int) -> bool:
+    return cfg.get("num_hidden_layers") == layers and \
+        cfg.get("max_position_embeddings") == max_pos
+
+
+def ensure_model(path: Path, layers: int, max_pos: int, python: str = sys.executable) -> Path:
+    """tests/e2e/make_tiny_glm5.py's model directory with ``layers`` layers
+    (all sparse-MLA) and ``max_pos`` positions, written unless already there."""
+    path = Path(path)
+    cfg = path / "config.json"
+    if cfg.exists() and model_config_matches(json.loads(cfg.read_text()), layers, max_pos):
+        return path
+    subprocess.run([python, str(MAKE_MODEL), str(path), "--layers", str(layers),
+                    "--max-pos", str(max_pos)], check=True, stdout=subprocess.DEVNULL)
+    return path

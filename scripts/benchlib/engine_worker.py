@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench-tax's engine process (runs ON the GPU host): one in-process vLLM
+engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), driven by the parent over JSON
+lines: the first line on stdin is the spec ({"key", "vllm": "ours" |
+"upstream", "kwargs": LLM keyword arguments}), then one command per line,
+one reply per command on stdout. vLLM's own output goes to stderr (the
+parent's log file).
+
+Commands ({"op": ...}):
+  prepare  {batch, prompt_len, seed, m}  build the batch's prompts (seeded,
+           the same in every arm), generate M tokens once: compiles what the
+           batch size needs and puts the prompts in the prefix cache
+  sample   {batch, n, m}  wall time of generating M, then N + M new tokens
+  profile  {batch, n, m}  torch.profiler over the same two generations:
+           aggregated events of each
+  counters               HiSparse's counters (ours; {} upstream)
+  shutdown
+
+Run as ``python -m benchlib.engine_worker`` with scripts/ on PYTHONPATH.
+Everything GPU-bound is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+VOCAB = 8192  # tests/e2e/make_tiny_glm5.py
+OPS = ("prepare", "sample", "profile", "counters", "shutdown")
+
+
+def to_configs(kwargs: dict, flavor: str) -> dict:
+    """Our vLLM gets config objects (as tests/e2e/run_e2e.py builds them);
+    upstream 0.30.0 gets the dicts its LLM converts (as the peer's script)."""
+    kw = dict(kwargs)
+    if flavor != "ours":
+        return kw
+    from vllm.config import AttentionConfig, KVTransferConfig
+
+    ac = dict(kw.get("attention_config") or {})
+    if "hisparse_config" in ac:
+        from vllm.config.hisparse import HiSparseConfig
+
+        ac["hisparse_config"] = HiSparseConfig(**ac["hisparse_config"])
+    if ac:
+        kw["attention_config"] = AttentionConfig(**ac)
+    if kw.get("kv_transfer_config"):
+        kw["kv_transfer_config"] = KVTransferConfig(**kw["kv_transfer_config"])
+    return kw
+
+
+def register_seeded() -> str:
+    """The hisparse_seeded load format (tests/e2e/seeded_weights); vLLM's
+    plugin discovery finds it on PYTHONPATH too, this makes it certain."""
+    try:
+        import hisparse_e2e_weights
+
+        hisparse_e2e_weights.register()
+        return "registered"
+    except Exception as err:  # noqa: BLE001 - reported, the engine may still find it
+        return f"manual registration failed: {err!r}"
+
+
+def apply_seeded(llm) -> str:
+    """tests/e2e/seeded_init.py through LLM.apply_model (variant from the
+    environment); what happened, for the report."""
+    try:
+        import functools
+
+        import seeded_init
+
+        name = seeded_init.variant_from_env().name
+        llm.apply_model(functools.partial(seeded_init.apply, variant_name=name))
+        llm.reset_prefix_cache()
+        return f"applied {name} after a dummy load"
+    except Exception as err:  # noqa: BLE001 - the run goes on with dummy weights
+        return f"dummy weights (seeded init failed: {err!r})"
+
+
+def prompts_for(batch: int, prompt_len: int, seed: int) -> list[dict]:
+    rng = random.Random(f"bench-tax-{seed}-{batch}-{prompt_len}")
+    return [{"prompt_token_ids": [rng.randrange(2, VOCAB) for _ in range(prompt_len)]}
+            for _ in range(batch)]
+
+
+class Engine:
+    def __init__(self, spec: dict) -> None:
+        import torch
+        import vllm
+        from vllm import LLM
+
+        self.flavor = spec["vllm"]
+        self.info: dict = {"key": spec.get("key"), "flavor": self.flavor}
+        kwargs = dict(spec["kwargs"])
+        after_load = False
+        if kwargs.get("load_format") == "hisparse_seeded":
+            self.info["seeded_weights"] = register_seeded()
+            if self.info["seeded_weights"] != "registered":
+                # the plugin's loader API is missing (another vLLM): the same
+                # seeded init after a dummy load, as tests/e2e/run_e2e.py does
+                kwargs["load_format"], after_load = "dummy", True
+        t0 = time.time()
+        self.llm = LLM(**to_configs(kwargs, self.flavor))
+        self.info["init_s"] = round(time.time() - t0, 1)
+        if after_load:
+            self.info["seeded_weights"] += "; " + apply_seeded(self.llm)
+        self.info["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__,
+                                 "cuda": torch.version.cuda,
+                                 "gpu": torch.cuda.get_device_name(0)}
+        self.info["defaults"] = self.defaults()
+        self.prompts: dict[int, list[dict]] = {}
+
+    def defaults(self) -> dict:
+        vc = self.llm.llm_engine.vllm_config
+        kv = vc.kv_transfer_config
+        return {
+            "async_scheduling": bool(getattr(vc.scheduler_config, "async_scheduling", False)),
+            "cudagraph_mode": str(vc.compilation_config.cudagraph_mode),
+            "compilation_mode": str(vc.compilation_config.mode),
+            "max_num_seqs": vc.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
+            "kv_connector": kv.kv_connector if kv else None,
+            "sparse_mla_force_mqa": getattr(vc.attention_config, "sparse_mla_force_mqa", None),
+            "hisparse_config": repr(getattr(vc.attention_config, "hisparse_config", None)),
+            "use_v2_model_runner": getattr(vc, "use_v2_model_runner", None),
+        }
+
+    # ------------------------------------------------------------ timing
+
+    def timed(self, batch: int, n: int) -> float:
+        import torch
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = self.llm.generate(self.prompts[batch], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        short = [len(o.outputs[0].token_ids) for o in outs if len(o.outputs[0].token_ids) != n]
+        if short or len(outs) != batch:
+            raise RuntimeError(f"expected {batch} outputs of {n} tokens, got {short or len(outs)}")
+        return dt
+
+    def prepare(self, batch: int, prompt_len: int, seed: int, m: int) -> dict:
+        self.prompts[batch] = prompts_for(batch, prompt_len, seed)
+        return {"warmup_s": self.timed(batch, m)}
+
+    def sample(self, batch: int, n: int, m: int) -> dict:
+        return {"t_short_s": self.timed(batch, m), "t_long_s": self.timed(batch, n + m)}
+
+    def profile(self, batch: int, n: int, m: int) -> dict:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        def run(k: int) -> list[dict]:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                self.timed(batch, k)
+            out = []
+            for e in prof.key_averages():
+                dev = getattr(e, "self_device_time_total", None)
+                if dev is None:
+                    dev = getattr(e, "self_cuda_time_total", 0)
+                out.append({"name": e.key, "count": int(e.count),
+                            "device": "cuda" if e.device_type == DeviceType.CUDA else "cpu",
+                            "self_device_us": float(dev)})
+            return out
+
+        return {"short": run(m), "long": run(n + m)}
+
+    # ---------------------------------------------------------- counters
+
+    def counters(self) -> dict:
+        if self.flavor != "ours":
+            return {}
+        out: dict = {}
+        client = self.llm.llm_engine.engine_core
+        core = getattr(client, "engine_core", client)
+        coordinator = core.scheduler.kv_cache_manager.coordinator
+        stats = getattr(getattr(coordinator, "hisparse", None), "stats", None)
+        if stats is not None:
+            out.update({k: int(v) for k, v in vars(stats).items() if isinstance(v, int)})
+        for part in self.llm.collective_rpc(_worker_counters):
+            for k, v in part.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def shutdown(self) -> dict:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - the process exits next anyway
+            pass
+        return {}
+
+
+def _worker_counters(worker) -> dict:
+    runtime = getattr(worker.model_runner, "hisparse_runtime", None)
+    if runtime is None:
+        return {}
+    return {k: int(v) for k, v in runtime.stats().items()}
+
+
+def main() -> int:
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM logs to stdout: into the log file with stderr
+
+    def send(obj: dict) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    spec = json.loads(sys.stdin.readline())
+    try:
+        engine = Engine(spec)
+    except BaseException:  # noqa: BLE001 - the parent records why
+        send({"ok": False, "error": traceback.format_exc()[-4000:]})
+        return 1
+    send({"ok": True, **engine.info})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.pop("op", None)
+        if op not in OPS:
+            send({"ok": False, "error": f"unknown op {op!r} (known: {', '.join(OPS)})"})
+            continue
+        try:
+            send({"ok": True, **getattr(engine, op)(**cmd)})
+        except Exception:  # noqa: BLE001
+            send({"ok": False, "error": traceback.format_exc()[-4000:]})
+        if op == "shutdown":
+            break
+    reply.flush()
+    os._exit(0)  # no interpreter teardown behind a live engine
+
+
+if __name__ == "__main__":
+    sys.exit(main())

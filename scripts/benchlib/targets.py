@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The performance targets of /work/shared/design/targets.md, evaluated on
+measured figures. Every verdict is a dict:
+
+  {"id", "target" (the text), "pass": True | False | None, "measured",
+   "why"}
+
+``pass`` is None when the run did not measure what the target needs (the
+``why`` says what is missing); False as soon as one measured figure misses,
+even if others are missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+P2_RATIO = 1.10
+P2_MODES = ("default", "fdo")
+P2_BATCHES = (1, 8, 16)
+P2_FIXED_US = 60.0
+P2_PER_LAYER_US = 4.0
+P6_RATIO = 1.05
+P6_BATCH = 16
+P4_VS_OFFLOAD = 3.0
+P4_VS_PLAIN = 5.0
+P5_VS_OFFLOAD = 2.0
+
+TEXT = {
+    "P2": "HiSparse on (no pressure) vs off, same prefill path, arms alternating: "
+          "<= 1.10x decode step at batch 1, 8 and 16, default mode and FULL_DECODE_ONLY "
+          "(tiny model)",
+    "P2_split": "tax = fixed + per_layer x L (same width at 4 and 32+ layers): "
+                "fixed <= 60 us per step and per_layer <= 4 us per sparse layer",
+    "P6": "eager_host_mirror adds <= 5% to the decode step at batch 16 (eager vs lazy)",
+    "P4": "mean running requests >= 3x the OffloadingConnector baseline and >= 5x plain "
+          "vLLM, zero preemptions (HiSparse arm), same GPU KV budget",
+    "P5": "output tokens/s >= 2x the OffloadingConnector baseline at the highest "
+          "concurrency the baseline sustains; TPOT p50 no worse than the baseline's",
+    "P8": "ahead of upstream vLLM 0.30.0's HiSparse in output tokens/s and TPOT p50 at "
+          "every concurrency level, and in P2's tax",
+    "P8_tax": "P2's tax (on/off decode-step ratio) below upstream 0.30.0's, same method",
+}
+
+
+def verdict(tid: str, ok: bool | None, measured, why: str = "") -> dict:
+    return {"id": tid, "target": TEXT[tid], "pass": ok, "measured": measured, "why": why}
+
+
+def _combine(checks: Iterable[bool], missing: list) -> bool | None:
+    checks = list(checks)
+    if not all(checks):
+        return False
+    if missing or not checks:
+        return None
+    return True
+
+
+def p2(ratios: Mapping[tuple[str, int], float], modes=P2_MODES,
+       batches=P2_BATCHES) -> dict:
+    """``ratios[(mode, batch)]``: median decode step on / off, tiny model."""
+    measured, checks, missing = {}, [], []
+    for mode in modes:
+        for b in batches:
+            r = ratios.get((mode, b))
+            if r is None:
+                missing.append(f"{mode}/batch{b}")
+                continue
+            measured[f"{mode}/batch{b}"] = {"ratio": round(r, 4), "pass": r <= P2_RATIO}
+            checks.append(r <= P2_RATIO)
+    ok = _combine(checks, missing)
+    return verdict("P2", ok, measured, f"not measured: {', '.join(missing)}" if missing else "")
+
+
+def p2_split(fits: Mapping[tuple[str, int], Mapping[str, float]]) -> dict:
+    """``fits[(mode, batch)] = {"fixed_us", "per_layer_us", "layers"}``."""
+    measured, checks = {}, []
+    for (mode, b), f in sorted(fits.items()):
+        ok = f["fixed_us"] <= P2_FIXED_US and f["per_layer_us"] <= P2_PER_LAYER_US
+        measured[f"{mode}/batch{b}"] = {**{k: round(v, 2) if isinstance(v, float) else v
+                                           for k, v in f.items()}, "pass": ok}
+        checks.append(ok)
+    if not checks:
+        return verdict("P2_split", None, measured,
+                       "needs the same mode and batch at two or more layer counts")
+    return verdict("P2_split", all(checks), measured)
+
+
+def p6(ratios: Mapping[str, float]) -> dict:
+    """``ratios[mode]``: median decode step at batch 16, eager / lazy mirror."""
+    measured = {m: {"ratio": round(r, 4), "pass": r <= P6_RATIO} for m, r in ratios.items()}
+    if not measured:
+        return verdict("P6", None, measured, f"needs arms on and on_lazy at batch {P6_BATCH}")
+    return verdict("P6", all(v["pass"] for v in measured.values()), measured)
+
+
+def p8_tax(ours: Mapping[tuple[str, int], float],
+           upstream: Mapping[tuple[str, int], float]) -> dict:
+    """Both ``[(mode, batch)] -> on/off ratio``; ours must be lower."""
+    common = sorted(set(ours) & set(upstream))
+    measured = {f"{m}/batch{b}": {"ours": round(ours[(m, b)], 4),
+                                  "upstream": round(upstream[(m, b)], 4),
+                                  "pass": ours[(m, b)] < upstream[(m, b)]}
+                for m, b in common}
+    if not measured:
+        return verdict("P8_tax", None, measured,
+                       "needs ours (off, on) and upstream's (u_off, u_on) at one mode and batch")
+    return verdict("P8_tax", all(v["pass"] for v in measured.values()), measured)
+
+
+# ------------------------------------------------------------ agentic
+
+
+def _levels(levels: Iterable[Mapping]) -> dict[int, dict[str, Mapping]]:
+    """concurrency -> arm -> level record (only levels with figures)."""
+    out: dict[int, dict[str, Mapping]] = {}
+    for lv in levels:
+        if lv.get("status") in ("ok", "timeout") and lv.get("server"):
+            out.setdefault(int(lv["concurrency"]), {})[lv["arm"]] = lv
+    return out
+
+
+def _running(lv: Mapping) -> float | None:
+    return (lv.get("server") or {}).get("mean_running")
+
+
+def _preemptions(lv: Mapping) -> float | None:
+    return (lv.get("server") or {}).get("preemptions")
+
+
+def _tok_s(lv: Mapping) -> float | None:
+    client = lv.get("client") or {}
+    if client.get("output_tokens_per_s") is not None:
+        return client["output_tokens_per_s"]
+    return (lv.get("server") or {}).get("generation_tokens_per_s")
+
+
+def _tpot_p50(lv: Mapping) -> float | None:
+    return (lv.get("client") or {}).get("tpot_ms_p50")
+
+
+def sustained(lv: Mapping) -> bool:
+    """The arm finished the level: the tool exited cleanly in time and no
+    request failed."""
+    client = lv.get("client") or {}
+    return lv.get("status") == "ok" and client.get("failures", 1) == 0 \
+        and client.get("requests", 0) > 0
+
+
+def p4(levels: Iterable[Mapping]) -> dict:
+    """At the highest concurrency where plain, offload and hisparse all ran:
+    hisparse's mean running >= 3x offload's and >= 5x plain's; hisparse
+    preempts nothing at any level."""
+    by = _levels(levels)
+    per_level = {}
+    for c, arms in sorted(by.items()):
+        row = {a: {"mean_running": _running(lv), "preemptions": _preemptions(lv)}
+               for a, lv in arms.items()}
+        h, o, p = (arms.get(a) for a in ("hisparse", "offload", "plain"))
+        if h and o and p and _running(o) and _running(p):
+            row["hisparse_vs_offload"] = round(_running(h) / _running(o), 3)
+            row["hisparse_vs_plain"] = round(_running(h) / _running(p), 3)
+            # The ratio cannot exceed concurrency / the baseline's running:
+            row["p4_attainable"] = c >= P4_VS_PLAIN * _running(p) and \
+                c >= P4_VS_OFFLOAD * _running(o)
+        per_level[c] = row
+    full = [c for c, row in per_level.items() if "hisparse_vs_plain" in row]
+    h_pre = [row["hisparse"]["preemptions"] for row in per_level.values()
+             if "hisparse" in row and row["hisparse"]["preemptions"] is not None]
+    measured = {"levels": per_level, "hisparse_preemptions": sum(h_pre) if h_pre else None}
+    if not full:
+        return verdict("P4", None, measured, "needs plain, offload and hisparse at one level")
+    top = per_level[max(full)]
+    measured["at_concurrency"] = max(full)
+    checks = [top["hisparse_vs_offload"] >= P4_VS_OFFLOAD,
+              top["hisparse_vs_plain"] >= P4_VS_PLAIN,
+              bool(h_pre) and sum(h_pre) == 0]
+    return verdict("P4", all(checks), measured)
+
+
+def p5(levels: Iterable[Mapping]) -> dict:
+    by = _levels(levels)
+    sustained_levels = [c for c, arms in by.items()
+                        if "offload" in arms and sustained(arms["offload"]) and "hisparse" in arms]
+    if not sustained_levels:
+        return verdict("P5", None, {}, "needs a level the offload baseline sustains "
+                                       "(no failure) with the hisparse arm beside it")
+    c = max(sustained_levels)
+    h, o = by[c]["hisparse"], by[c]["offload"]
+    measured = {"at_concurrency": c,
+                "hisparse": {"output_tokens_per_s": _tok_s(h), "tpot_ms_p50": _tpot_p50(h)},
+                "offload": {"output_tokens_per_s": _tok_s(o), "tpot_ms_p50": _tpot_p50(o)}}
+    if None in (_tok_s(h), _tok_s(o), _tpot_p50(h), _tpot_p50(o)):
+        return verdict("P5", None, measured, "throughput or TPOT missing at that level")
+    measured["throughput_ratio"] = round(_tok_s(h) / _tok_s(o), 3) if _tok_s(o) else None
+    ok = _tok_s(h) >= P5_VS_OFFLOAD * _tok_s(o) and _tpot_p50(h) <= _tpot_p50(o)
+    return verdict("P5", ok, measured)
+
+
+def p8(levels: Iterable[Mapping], tax: Mapping | None = None) -> dict:
+    """hisparse vs upstream at every level both ran; ``tax``: a P8_tax
+    verdict (bench-tax) or None."""
+    by = _levels(levels)
+    rows, checks = {}, []
+    for c, arms in sorted(by.items()):
+        if "hisparse" not in arms or "upstream" not in arms:
+            continue
+        h, u = arms["hisparse"], arms["upstream"]
+        figs = (_tok_s(h), _tok_s(u), _tpot_p50(h), _tpot_p50(u))
+        row = {"hisparse": {"output_tokens_per_s": figs[0], "tpot_ms_p50": figs[2]},
+               "upstream": {"output_tokens_per_s": figs[1], "tpot_ms_p50": figs[3]}}
+        if None not in figs:
+            row["pass"] = figs[0] > figs[1] and figs[2] < figs[3]
+            checks.append(row["pass"])
+        rows[c] = row
+    measured = {"levels": rows, "tax": tax}
+    missing = []
+    if not checks:
+        missing.append("a level with both hisparse and upstream")
+    if tax is None or tax.get("pass") is None:
+        missing.append("the tax comparison (bench-tax P8_tax: --tax-json)")
+    else:
+        checks.append(bool(tax["pass"]))
+    return verdict("P8", _combine(checks, missing), measured,
+                   f"not measured: {'; '.join(missing)}" if missing else "")

@@ -1,0 +1,466 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench-tax: the no-pressure tax of HiSparse (targets P2, P6, P8's tax).
+
+Pure logic (the run's I/O is scripts/bench-tax + engine_worker/workerproc):
+arms and their engine arguments, the plan (one engine per arm, mode and
+layer count), the duration estimate, the summaries of the timed samples
+(medians, spreads, ratios, the fixed + per-layer fit), the per-step
+profile breakdown, the merge of several runs and the target verdicts.
+
+A sample: one arm, one batch, one repetition: the wall time of generating
+M new tokens and of N + M new tokens for the same prefix-cached prompts;
+decode ms per step = (t(N + M) - t(M)) / N (stats.decode_ms).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+
+from . import stats, targets
+
+SCHEMA = "bench-tax/1"
+
+# name -> (vLLM: "ours" | "upstream", HiSparse on?, extra)
+ARMS: dict[str, dict] = {
+    "off": {"vllm": "ours", "hisparse": False,
+            "doc": "HiSparse off, sparse_mla_force_mqa=True (the prefill path HiSparse forces)"},
+    "on": {"vllm": "ours", "hisparse": True, "eager_host_mirror": True,
+           "doc": "HiSparse on, no pressure: ample GPU pool, resident window = max_model_len"},
+    "on_offload": {"vllm": "ours", "hisparse": True, "eager_host_mirror": True, "offload": True,
+                   "doc": "as on, with the OffloadingConnector (TieringOffloadingSpec) beside it"},
+    "on_lazy": {"vllm": "ours", "hisparse": True, "eager_host_mirror": False,
+                "doc": "as on, eager_host_mirror=false (P6's reference)"},
+    "u_off": {"vllm": "upstream", "hisparse": False,
+              "doc": "upstream vLLM 0.30.0, HiSparse off (model runner V2, sparse MQA prefill)"},
+    "u_on": {"vllm": "upstream", "hisparse": True,
+             "doc": "upstream vLLM 0.30.0, HiSparseConnector, no pressure (ample GPU pool)"},
+}
+# (numerator, denominator, what the ratio is)
+RATIOS = (
+    ("on", "off", "p2"),
+    ("on_offload", "on", "offload"),
+    ("on", "on_lazy", "p6"),
+    ("u_on", "u_off", "upstream_p2"),
+)
+MODES = {
+    "default": {},  # vLLM's defaults: async scheduling, FULL_AND_PIECEWISE
+    "fdo": {"cudagraph_mode": "FULL_DECODE_ONLY"},
+    "eager": None,  # enforce_eager
+}
+MODE_DOC = {"default": "vLLM's default (async scheduling, FULL_AND_PIECEWISE)",
+            "fdo": "cudagraph_mode=FULL_DECODE_ONLY", "eager": "enforce_eager"}
+# fp8_ds_mla: 656-B MLA rows + the indexer's, per token and layer (the e2e
+# engines' 2 GiB hold ~680K tokens at 4 layers: ~790 B per token and layer).
+BYTES_PER_TOKEN_LAYER = 800
+GIB = 1 << 30
+
+
+@dataclass
+class TaxConfig:
+    arms: list[str] = field(default_factory=lambda: ["off", "on"])
+    modes: list[str] = field(default_factory=lambda: ["default", "fdo"])
+    layers: list[int] = field(default_factory=lambda: [4])
+    batches: list[int] = field(default_factory=lambda: [1, 8, 16])
+    reps: int = 5
+    n: int = 128
+    m: int = 16
+    prompt_len: int = 4096
+    max_model_len: int = 16384
+    chunk: int = 2048
+    kv_gib: float | None = None  # None: auto_kv_gib
+    host_pool_gib: float | None = None  # None: auto_kv_gib
+    offload_gib: float = 4.0
+    weights: str = "seeded"
+    variant: str = "n02"
+    gpu_memory_utilization: float = 0.08
+    profile: bool = False
+    profile_batches: list[int] = field(default_factory=lambda: [1, 16])
+    budget_s: float = 540.0
+    init_timeout_s: float = 420.0
+    compilation_extra: dict = field(default_factory=dict)
+    upstream_compilation_extra: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.arms:
+            raise ValueError("no arm given")
+        for a in self.arms:
+            if a not in ARMS:
+                raise ValueError(f"unknown arm {a} (known: {', '.join(ARMS)})")
+        for md in self.modes:
+            if md not in MODES:
+                raise ValueError(f"unknown mode {md} (known: {', '.join(MODES)})")
+        if self.reps < 1:
+            raise ValueError("--reps must be >= 1")
+        if self.n < 1 or self.m < 1:
+            raise ValueError("--new-tokens N and --base-tokens M must be >= 1")
+        longest = self.prompt_len + self.n + self.m
+        if longest > self.max_model_len:
+            raise ValueError(f"prompt {self.prompt_len} + {self.m + self.n} new tokens exceeds "
+                             f"max_model_len {self.max_model_len}")
+        if self.weights not in ("seeded", "dummy"):
+            raise ValueError(f"--weights must be seeded or dummy, not {self.weights}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1)")
+        if self.profile and not set(self.profile_batches) <= set(self.batches):
+            raise ValueError(f"--profile-batches {self.profile_batches} must be among "
+                             f"--batches {self.batches}")
+
+    def auto_gib(self, layers: int) -> float:
+        """A KV pool (and host pool) twice what every batch's prompts need
+        at once, at least 1 GiB, in 0.25 GiB steps: nothing is evicted, no
+        page leaves the GPU (no pressure)."""
+        tokens = sum(self.batches) * (self.prompt_len + self.n + self.m + 128)
+        need = 2 * tokens * BYTES_PER_TOKEN_LAYER * layers / GIB
+        return max(1.0, math.ceil(need * 4) / 4)
+
+    def kv_bytes(self, layers: int) -> int:
+        return int((self.kv_gib or self.auto_gib(layers)) * GIB)
+
+    def host_gib(self, layers: int) -> float:
+        return self.host_pool_gib or self.auto_gib(layers)
+
+
+def mode_kwargs(mode: str, extra: Mapping | None = None) -> dict:
+    if MODES[mode] is None:
+        return {"enforce_eager": True}
+    cc = {**MODES[mode], **(extra or {})}
+    return {"compilation_config": cc} if cc else {}
+
+
+def llm_kwargs(cfg: TaxConfig, arm: str, mode: str, layers: int, model_dir: str) -> dict:
+    """LLM(...) keyword arguments, JSON-serialisable (configs as dicts)."""
+    a = ARMS[arm]
+    kw = dict(model=model_dir, dtype="bfloat16", kv_cache_dtype="fp8",
+              max_model_len=cfg.max_model_len, max_num_seqs=max(cfg.batches),
+              max_num_batched_tokens=cfg.chunk, seed=cfg.seed, generation_config="vllm",
+              enable_prefix_caching=True,
+              load_format="hisparse_seeded" if cfg.weights == "seeded" else "dummy",
+              kv_cache_memory_bytes=cfg.kv_bytes(layers),
+              gpu_memory_utilization=cfg.gpu_memory_utilization)
+    extra = cfg.upstream_compilation_extra if a["vllm"] == "upstream" else cfg.compilation_extra
+    kw.update(mode_kwargs(mode, extra))
+    if a["vllm"] == "ours":
+        if not a["hisparse"]:
+            kw["attention_config"] = {"sparse_mla_force_mqa": True}
+        else:
+            kw["attention_config"] = {"hisparse_config": {
+                "host_pool_gib": cfg.host_gib(layers),
+                "admission_max_tokens": cfg.max_model_len,  # the window holds every prompt
+                "eager_host_mirror": a["eager_host_mirror"]}}
+        if a.get("offload"):
+            kw["kv_transfer_config"] = {
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                              "cpu_bytes_to_use": int(cfg.offload_gib * GIB)}}
+    else:
+        # the test bundles have no FlashAttention: both upstream arms on the
+        # sparse MQA prefill (shared/peers/upstream-0.30/README.md)
+        kw["attention_config"] = {"sparse_mla_force_mqa": True}
+        if a["hisparse"]:
+            kw["kv_transfer_config"] = {
+                "kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"host_pool_gib": cfg.host_gib(layers)}}
+    return kw
+
+
+def engine_key(mode: str, layers: int, arm: str) -> str:
+    return f"{mode}/L{layers}/{arm}"
+
+
+def groups(cfg: TaxConfig) -> list[tuple[str, int]]:
+    """(mode, layers) in run order: layer counts outer."""
+    return [(md, L) for L in cfg.layers for md in cfg.modes]
+
+
+def engines(cfg: TaxConfig) -> list[tuple[str, int, str]]:
+    return [(md, L, arm) for md, L in groups(cfg) for arm in cfg.arms]
+
+
+# ------------------------------------------------------------ estimate
+
+
+def step_ms_guess(arm: str, batch: int, layers: int) -> float:
+    """A prior of the decode step (tiny model, H200; e2e run 3: off 1.6 ms
+    at batch 1 and 3.9 ms at 16 with 4 layers, on ~1.7-2x)."""
+    off = 0.3 + layers * (0.30 + 0.037 * batch)
+    return off * (1.9 if ARMS[arm]["hisparse"] else 1.0)
+
+
+def estimate_s(cfg: TaxConfig) -> dict:
+    """Seconds: engine starts (all at once, compile-bound), then every
+    group's warm-ups, samples and profiles in turn."""
+    n_eng = len(engines(cfg))
+    init = 60 + 20 * math.ceil(n_eng / 4) + 2.5 * max(cfg.layers)
+    measure = 0.0
+    for _, L in groups(cfg):
+        for b in cfg.batches:
+            for arm in cfg.arms:
+                steps = 2 * cfg.m + cfg.n
+                sample = steps * step_ms_guess(arm, b, L) / 1e3 + 0.3
+                # the first warm-up prefills the prompts (~40K tokens/s at 4 layers)
+                prefill = b * cfg.prompt_len / 40000 * L / 4
+                measure += (cfg.reps + 1) * sample + prefill + 2
+                if cfg.profile and b in cfg.profile_batches:
+                    measure += 2 * sample + 5
+    return {"engine_starts_s": round(init), "measure_s": round(measure),
+            "total_s": round(init + measure + 20)}
+
+
+# ------------------------------------------------------------ summaries
+
+
+def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm: str,
+                  position: int, t_short_s: float, t_long_s: float, n: int) -> dict:
+    return {"run": run, "mode": mode, "layers": layers, "batch": batch, "rep": rep,
+            "arm": arm, "position": position, "t_short_s": t_short_s, "t_long_s": t_long_s,
+            "n": n, "ms_per_step": stats.decode_ms(t_short_s, t_long_s, n)}
+
+
+def summarize(samples: Iterable[Mapping]) -> dict:
+    """summary[mode][layers][batch] = {"arms": {arm: spread of ms/step},
+    "ratios": {num/den: {...}}}; keys are strings (JSON)."""
+    samples = [s for s in samples if not s.get("warmup")]
+    cells: dict[tuple, dict[str, list]] = {}
+    for s in samples:
+        cells.setdefault((s["mode"], s["layers"], s["batch"]), {}).setdefault(
+            s["arm"], []).append(s)
+    out: dict = {}
+    for (mode, L, b), arms in sorted(cells.items()):
+        cell = {"arms": {a: stats.spread([s["ms_per_step"] for s in ss])
+                         for a, ss in sorted(arms.items())}, "ratios": {}}
+        for num, den, what in RATIOS:
+            if num in arms and den in arms:
+                cell["ratios"][f"{num}/{den}"] = ratio(arms[num], arms[den], what)
+        if "on" in arms and "off" in arms:
+            cell["tax_us"] = (cell["arms"]["on"]["median"] - cell["arms"]["off"]["median"]) * 1e3
+        if "u_on" in arms and "u_off" in arms:
+            cell["upstream_tax_us"] = (cell["arms"]["u_on"]["median"]
+                                       - cell["arms"]["u_off"]["median"]) * 1e3
+        out.setdefault(mode, {}).setdefault(str(L), {})[str(b)] = cell
+    return out
+
+
+def ratio(num: list[Mapping], den: list[Mapping], what: str) -> dict:
+    """The ratio of the medians, and the spread of the per-repetition
+    ratios (samples of the same run and repetition paired)."""
+    mn = stats.median([s["ms_per_step"] for s in num])
+    md = stats.median([s["ms_per_step"] for s in den])
+    by_rep = {(s["run"], s["rep"]): s["ms_per_step"] for s in den}
+    pairs = [s["ms_per_step"] / by_rep[(s["run"], s["rep"])] for s in num
+             if (s["run"], s["rep"]) in by_rep and by_rep[(s["run"], s["rep"])] > 0]
+    return {"what": what, "ratio_of_medians": mn / md if md > 0 else None,
+            "pairwise": stats.spread(pairs)}
+
+
+def fits(summary: Mapping, num: str = "on", den: str = "off") -> dict:
+    """fit[mode][batch] = tax (us per step, median num - median den) =
+    fixed_us + per_layer_us x layers, over the layer counts measured."""
+    out: dict = {}
+    for mode, by_layers in summary.items():
+        batches = {b for cells in by_layers.values() for b in cells}
+        for b in sorted(batches, key=int):
+            pts = []
+            for L, cells in by_layers.items():
+                arms = cells.get(b, {}).get("arms", {})
+                if num in arms and den in arms and arms[num].get("n") and arms[den].get("n"):
+                    pts.append((int(L), (arms[num]["median"] - arms[den]["median"]) * 1e3))
+            if len({L for L, _ in pts}) < 2:
+                continue
+            pts.sort()
+            fixed, per_layer = stats.linear_fit([p[0] for p in pts], [p[1] for p in pts])
+            out.setdefault(mode, {})[b] = {"fixed_us": fixed, "per_layer_us": per_layer,
+                                           "layers": [p[0] for p in pts],
+                                           "tax_us": [p[1] for p in pts]}
+    return out
+
+
+def _ratio_map(summary: Mapping, key: str, layers: int | None = None,
+               batch: int | None = None) -> dict:
+    """(mode, batch) -> ratio_of_medians of ``key`` at ``layers`` (None: the
+    fewest layers measured)."""
+    out = {}
+    for mode, by_layers in summary.items():
+        have = sorted((int(L) for L, cells in by_layers.items()
+                       if any(key in c["ratios"] for c in cells.values())))
+        if not have:
+            continue
+        L = layers if layers is not None else have[0]
+        for b, cell in by_layers.get(str(L), {}).items():
+            r = cell["ratios"].get(key, {}).get("ratio_of_medians")
+            if r is not None and (batch is None or int(b) == batch):
+                out[(mode, int(b))] = r
+    return out
+
+
+TINY_LAYERS = 4
+"""The tiny model of targets.md (tests/e2e/make_tiny_glm5.py's default):
+P2's ratios, P6 and P8's tax are read at this layer count; others only
+enter the fit."""
+
+
+def evaluate(summary: Mapping) -> dict:
+    fit = fits(summary)
+    p6 = {mode: r for (mode, _), r in _ratio_map(summary, "on/on_lazy", layers=TINY_LAYERS,
+                                                   batch=targets.P6_BATCH).items()}
+    ours = _ratio_map(summary, "on/off", layers=TINY_LAYERS)
+    up = _ratio_map(summary, "u_on/u_off", layers=TINY_LAYERS)
+    offload = _ratio_map(summary, "on_offload/on", layers=TINY_LAYERS)
+    return {
+        "P2": targets.p2(ours),
+        "P2_split": targets.p2_split({(m, int(b)): f for m, fb in fit.items()
+                                      for b, f in fb.items()}),
+        "P6": targets.p6(p6),
+        "P8_tax": targets.p8_tax(ours, up),
+        "offload_adds_nothing": offload_verdict(offload),
+    }
+
+
+OFFLOAD_TOLERANCE = 0.02
+
+
+def offload_verdict(ratios: Mapping[tuple[str, int], float]) -> dict:
+    """Not a numbered target: with nothing offloaded, the OffloadingConnector
+    beside HiSparse should cost nothing (on_offload / on within 2%)."""
+    measured = {f"{m}/batch{b}": {"ratio": round(r, 4), "pass": r <= 1 + OFFLOAD_TOLERANCE}
+                for (m, b), r in sorted(ratios.items())}
+    ok = all(v["pass"] for v in measured.values()) if measured else None
+    return {"id": "offload_adds_nothing",
+            "target": f"on_offload / on <= {1 + OFFLOAD_TOLERANCE} (no numbered target)",
+            "pass": ok, "measured": measured,
+            "why": "" if measured else "needs arms on and on_offload"}
+
+
+# ------------------------------------------------------------ profile
+
+LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+               "cudaLaunchCooperativeKernel")
+GRAPH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+def _is_runtime(name: str) -> bool:
+    return (name.startswith("cuda") or name.startswith("cu")) and len(name) > 4 and \
+        name[4 if name.startswith("cuda") else 2].isupper()
+
+
+def profile_counts(events: Iterable[Mapping]) -> dict:
+    """Aggregated profiler events ({name, device: cpu|cuda, count,
+    self_device_us}) -> runtime API counts, device kernel counts and times."""
+    runtime: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}
+    copies = {"count": 0.0, "us": 0.0}
+    for e in events:
+        name, count = e["name"], float(e.get("count", 0))
+        if e.get("device") == "cuda":
+            if name.startswith(("Memcpy", "Memset")):
+                copies["count"] += count
+                copies["us"] += float(e.get("self_device_us", 0))
+            else:
+                k = kernels.setdefault(name, [0.0, 0.0])
+                k[0] += count
+                k[1] += float(e.get("self_device_us", 0))
+        elif _is_runtime(name):
+            runtime[name] = runtime.get(name, 0.0) + count
+    return {"runtime": runtime, "kernels": kernels, "copies": copies}
+
+
+def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: int,
+                     top: int = 15) -> dict:
+    """Per decode step: (profile of N + M new tokens - profile of M) / N."""
+    if steps <= 0:
+        raise ValueError("steps must be > 0")
+    a, b = profile_counts(short), profile_counts(long)
+
+    def diff(x: Mapping, y: Mapping) -> dict:
+        return {k: (y.get(k, 0.0) - x.get(k, 0.0)) / steps for k in set(x) | set(y)}
+
+    rt = diff(a["runtime"], b["runtime"])
+    kc = {k: (b["kernels"].get(k, [0, 0])[0] - a["kernels"].get(k, [0, 0])[0]) / steps
+          for k in set(a["kernels"]) | set(b["kernels"])}
+    kt = {k: (b["kernels"].get(k, [0, 0])[1] - a["kernels"].get(k, [0, 0])[1]) / steps
+          for k in set(a["kernels"]) | set(b["kernels"])}
+    top_k = sorted(kt, key=lambda k: -kt[k])[:top]
+    return {
+        "steps": steps,
+        "per_step": {
+            "kernel_launches": sum(v for k, v in rt.items() if k in LAUNCH_APIS),
+            "graph_launches": sum(v for k, v in rt.items() if k in GRAPH_APIS),
+            "cuda_memcpy_async": sum(v for k, v in rt.items() if k.startswith(("cudaMemcpy",
+                                                                               "cuMemcpy"))),
+            "device_kernels": sum(kc.values()),
+            "device_kernel_us": sum(kt.values()),
+            "device_copies": (b["copies"]["count"] - a["copies"]["count"]) / steps,
+            "device_copy_us": (b["copies"]["us"] - a["copies"]["us"]) / steps,
+            "runtime_calls": {k: round(v, 3) for k, v in sorted(rt.items()) if abs(v) > 1e-9},
+        },
+        "top_kernels": [{"name": k, "us_per_step": round(kt[k], 3),
+                         "count_per_step": round(kc[k], 3)} for k in top_k],
+    }
+
+
+# ------------------------------------------------------------ report
+
+
+def build_report(*, cfg: TaxConfig | None, command: str | None, samples: list,
+                 engines_info: dict, profiles: dict, runs: list, failures: list,
+                 merged_from: list | None = None) -> dict:
+    summary = summarize(samples)
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "config": asdict(cfg) if cfg is not None else None,
+        "arms": {a: ARMS[a]["doc"] for a in sorted({s["arm"] for s in samples} | set(
+            cfg.arms if cfg else []))},
+        "modes": MODE_DOC,
+        "method": "decode ms per step = (time of N+M new tokens - time of M) / N, "
+                  "prompts prefix-cached, greedy, ignore_eos; arms alternate within each "
+                  "repetition (rotated order); medians and spreads over repetitions",
+        "runs": runs,
+        "versions": versions_of(engines_info),
+        "engines": engines_info,
+        "summary": summary,
+        "fit": {m: {str(b): f for b, f in fb.items()} for m, fb in fits(summary).items()},
+        "targets": evaluate(summary),
+        "profile": profiles,
+        "samples": samples,
+        "failures": failures,
+        "merged_from": merged_from or [],
+    }
+
+
+def versions_of(engines_info: Mapping) -> dict:
+    """flavor (ours | upstream) -> the versions its engines reported (one
+    entry unless engines disagree)."""
+    out: dict = {}
+    for e in engines_info.values():
+        v = e.get("versions")
+        if v:
+            seen = out.setdefault(e.get("flavor") or ARMS.get(e.get("arm"), {}).get("vllm", "?"),
+                                  [])
+            if v not in seen:
+                seen.append(v)
+    return out
+
+
+def merge(reports: list[Mapping], sources: list[str]) -> dict:
+    """One report from several runs (e.g. 4 layers in one device call, 32 in
+    another, upstream in a third): samples renumbered by run, engines and
+    profiles keyed by run, summaries and verdicts recomputed."""
+    samples, engines_info, profiles, runs, failures = [], {}, {}, [], []
+    for i, (rep, src) in enumerate(zip(reports, sources)):
+        if rep.get("schema") != SCHEMA:
+            raise ValueError(f"{src}: not a {SCHEMA} report (schema {rep.get('schema')!r})")
+        base = len(runs)
+        for r in rep.get("runs", []) or [{}]:
+            runs.append({**r, "source": src})
+        for s in rep["samples"]:
+            samples.append({**s, "run": base + s.get("run", 0)})
+        for k, v in rep.get("engines", {}).items():
+            engines_info[f"run{i}:{k}"] = v
+        for k, v in rep.get("profile", {}).items():
+            profiles[f"run{i}:{k}"] = v
+        failures += [f"{src}: {f}" for f in rep.get("failures", [])]
+    return build_report(cfg=None, command=None, samples=samples, engines_info=engines_info,
+                        profiles=profiles, runs=runs, failures=failures, merged_from=sources)

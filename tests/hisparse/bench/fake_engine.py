@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A stand-in for benchlib.engine_worker (bench-tax's engine process) with
+the same protocol: the spec line, a ready reply, one reply per command.
+Times are computed, not measured: decode step = (0.5 + 0.1 x batch) ms x
+layers / 4, x 1.5 with HiSparse (x 1.4 lazy), + 1% with the connector,
+upstream x 1.8; each sample's call order is logged to FAKE_ENGINE_LOG.
+
+FAKE_ENGINE_FAIL=<substring of a key>: that engine fails to start.
+FAKE_ENGINE_MISSES=1: HiSparse engines count hot-buffer misses.
+"""
+
+import json
+import os
+import sys
+
+
+def step_ms(spec: dict, batch: int) -> float:
+    kw = spec["kwargs"]
+    layers = int(kw["model"].rsplit("_L", 1)[1])
+    ms = (0.5 + 0.1 * batch) * layers / 4
+    hs = (kw.get("attention_config") or {}).get("hisparse_config")
+    if hs is not None:
+        ms *= 1.5 if hs.get("eager_host_mirror", True) else 1.4
+    if spec["vllm"] == "upstream" and kw.get("kv_transfer_config"):
+        ms *= 1.8
+    elif kw.get("kv_transfer_config"):
+        ms *= 1.01
+    return ms
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.readline())
+    key = spec["key"]
+    out = sys.stdout
+    fail = os.environ.get("FAKE_ENGINE_FAIL")
+    if fail and fail in key:
+        out.write(json.dumps({"ok": False, "error": "Traceback...\nRuntimeError: no GPU"}) + "\n")
+        out.flush()
+        return 1
+    out.write(json.dumps({"ok": True, "init_s": 0.1, "versions": {"vllm": "fake", "torch": "x"},
+                          "defaults": {"cudagraph_mode": "fake"}}) + "\n")
+    out.flush()
+    hisparse = "hisparse_config" in (spec["kwargs"].get("attention_config") or {})
+    misses = 0
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "prepare":
+            reply = {"warmup_s": 0.01}
+        elif op == "sample":
+            ms = step_ms(spec, cmd["batch"])
+            t_short = 0.05 + cmd["m"] * ms / 1e3
+            reply = {"t_short_s": t_short, "t_long_s": t_short + cmd["n"] * ms / 1e3}
+            if os.environ.get("FAKE_ENGINE_LOG"):
+                with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
+                    f.write(f"{key} {cmd['batch']}\n")
+            if hisparse and os.environ.get("FAKE_ENGINE_MISSES"):
+                misses += 10
+        elif op == "profile":
+            ms = step_ms(spec, cmd["batch"])
+
+            def events(k):
+                return [{"name": "cudaGraphLaunch", "device": "cpu", "count": k},
+                        {"name": "cudaLaunchKernel", "device": "cpu",
+                         "count": (12 if hisparse else 2) * k},
+                        {"name": "cudaMemcpyAsync", "device": "cpu", "count": 3 * k},
+                        {"name": "attn_kernel", "device": "cuda", "count": 4 * k,
+                         "self_device_us": k * ms * 1000 * 0.8}]
+            reply = {"short": events(cmd["m"]), "long": events(cmd["m"] + cmd["n"])}
+        elif op == "counters":
+            reply = {"misses": misses, "lost_pages": 0, "hot_regions_assigned": 0} \
+                if hisparse and spec["vllm"] == "ours" else {}
+        elif op == "shutdown":
+            out.write(json.dumps({"ok": True}) + "\n")
+            out.flush()
+            return 0
+        else:
+            reply = None
+        out.write(json.dumps({"ok": True, **reply} if reply is not None else
+                             {"ok": False, "error": f"unknown op {op}"}) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

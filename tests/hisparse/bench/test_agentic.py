@@ -1,0 +1,393 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench-agentic's pure logic (benchlib.agentic): the scaled trace and its
+conversations, the model folder, the server commands (parsed by vLLM's own
+`vllm serve` parser on the CPU platform), the tool's command line and
+imports (against the pinned tree's benchmark and the GPU image), the
+per-level summaries from the tool's statistics and /metrics samples, the
+report and its merge."""
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchlib import agentic, common, prom
+from metrics_sample import metrics_text
+
+ROOT = Path(__file__).resolve().parents[3]
+TOOL_DIR = ROOT / "work" / "build" / "vllm" / "benchmarks" / "multi_turn"
+
+
+def cfg(**kw) -> agentic.AgenticConfig:
+    c = agentic.AgenticConfig(**kw)
+    c.validate()
+    return c
+
+
+# ------------------------------------------------------------ workload
+
+
+def test_scale_multiplies_input_lengths_and_keeps_outputs():
+    s = agentic.shape(agentic.Trace(), 0.1)
+    assert (s.turns, s.first, s.later, s.output) == (13, 7400, 75, 220)
+    s = agentic.shape(agentic.Trace(), 0.5, output=100, turns=5, later=300)
+    assert (s.turns, s.first, s.later, s.output) == (5, 37000, 300, 100)
+    with pytest.raises(ValueError):
+        agentic.shape(agentic.Trace(), 0)
+    with pytest.raises(ValueError):
+        agentic.shape(agentic.Trace(), 0.1, jitter=1.0)
+
+
+def test_max_context_is_every_length_at_its_upper_bound():
+    s = agentic.Shape(turns=3, first=100, later=10, output=5, jitter=0.2)
+    assert s.bounds(100) == (80, 120)
+    assert s.max_context() == 120 + 2 * 12 + 3 * 6
+    agentic.fit_check(s, 162)
+    with pytest.raises(ValueError, match="lower --scale"):
+        agentic.fit_check(s, 161)
+    # mean request: turn t's prompt is all earlier turns + outputs, plus its output
+    s0 = agentic.Shape(turns=2, first=100, later=10, output=5, jitter=0.0)
+    assert s0.mean_context() == ((100 + 5) + (100 + 5 + 10 + 5)) / 2
+
+
+def test_conversations_are_token_exact_alternating_and_within_bounds():
+    s = agentic.shape(agentic.Trace(), 0.05, jitter=0.2)
+    convs = agentic.conversations(s, 6, seed=0, level=8)
+    assert len(convs) == 6 and len({c["id"] for c in convs}) == 6
+    for c in convs:
+        roles = [r for r, _ in agentic.token_lengths(c)]
+        assert roles == ["user", "assistant"] * s.turns  # every user turn has its answer
+        lengths = agentic.token_lengths(c)
+        lo, hi = s.bounds(s.first)
+        assert lo <= lengths[0][1] <= hi
+        for i, (role, n) in enumerate(lengths[1:], 1):
+            lo, hi = s.bounds(s.output if role == "assistant" else s.later)
+            assert lo <= n <= hi
+        words = " ".join(m["content"] for m in c["messages"]).split()
+        assert all(re.fullmatch(r"w\d+", w) and 2 <= int(w[1:]) < agentic.VOCAB for w in words)
+        assert sum(n for _, n in lengths) <= s.max_context()
+    # no two conversations share a prefix (the first 32 tokens differ)
+    heads = {tuple(c["messages"][0]["content"].split()[:32]) for c in convs}
+    assert len(heads) == 6
+
+
+def test_conversations_are_the_same_for_every_arm_and_differ_per_level():
+    s = agentic.shape(agentic.Trace(), 0.02)
+    assert agentic.conversations(s, 3, 0, 4) == agentic.conversations(s, 3, 0, 4)
+    assert agentic.conversations(s, 3, 0, 4) != agentic.conversations(s, 3, 0, 8)
+    assert agentic.conversations(s, 3, 0, 4) != agentic.conversations(s, 3, 1, 4)
+
+
+def test_jitter_averages_out_to_the_target():
+    s = agentic.shape(agentic.Trace(), 0.05, jitter=0.2)
+    convs = agentic.conversations(s, 40, 0, 1)
+    outs = [n for c in convs for r, n in agentic.token_lengths(c) if r == "assistant"]
+    assert abs(sum(outs) / len(outs) - 220) < 5
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(arms=["vanilla"]), "unknown arm"), (dict(scale=0.3), "max_model_len"),
+    (dict(concurrency=[128]), "max-num-seqs"), (dict(weights="x"), "weights"),
+    (dict(conversations_per_client=0), "conversations-per-client"), (dict(poll_s=0), "poll"),
+    (dict(kv_bytes=32 * agentic.MIB), "cannot hold one max_model_len request"),
+])
+def test_config_refuses(bad, match):
+    with pytest.raises(ValueError, match=match):
+        cfg(**bad)
+
+
+def test_default_workload_pressures_plain_vllm_at_the_top_level():
+    """The defaults make sense: plain vLLM's pool holds a few conversations,
+    the top level asks for several times that."""
+    h = agentic.pressure_hint(cfg())
+    assert h["plain_concurrent_requests_approx"] < 8
+    assert h["demand_tokens"][16] > 3 * h["plain_pool_tokens_approx"]
+
+
+def test_hisparse_admits_a_max_model_len_request_in_the_default_budget():
+    """The HiSparse arm starts at all (its startup minimum: one
+    max_model_len request admitted) with the default budget and with the
+    documented 65536-token configuration; the real layout's arithmetic."""
+    from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
+    from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+
+    hf = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+          "index_head_dim": 128, "index_topk": 256, "index_topk_freq": 1}
+    for c in (cfg(), cfg(max_model_len=65536, scale=0.5, kv_bytes=512 * agentic.MIB)):
+        params = HiSparseParams(index_topk=256, max_decode_query_len=1, device_buffer_size=512,
+                                admission_max_tokens=c.chunk, host_pool_bytes=0)
+        lay = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
+        assert lay.gpu_bytes_per_request(c.max_model_len) < c.kv_bytes / 2
+        # plain vLLM's own startup check: one max_model_len request fits the pool
+        assert c.max_model_len * agentic.PLAIN_BYTES_PER_TOKEN < c.kv_bytes
+
+
+def test_documented_our_arms_command_fits_one_device_call():
+    c = cfg()
+    assert agentic.estimate_s(c)["total_s"] <= c.budget_s
+    assert agentic.estimate_s(cfg(arms=["upstream", "hisparse"]))["total_s"] <= c.budget_s
+
+
+# ------------------------------------------------------- model folder
+
+
+def test_prepare_model_removes_eos_and_special_tokens_and_adds_a_template(tmp_path):
+    subprocess.run([sys.executable, str(common.MAKE_MODEL), str(tmp_path)], check=True,
+                   capture_output=True)
+    removed = agentic.prepare_model(tmp_path)
+    assert removed["config.json"] == ["eos_token_id"]
+    assert set(removed["tokenizer_config.json"]) == {"eos_token", "bos_token", "pad_token",
+                                                     "unk_token"}
+    assert agentic.prepare_model(tmp_path) == {"config.json": [], "tokenizer_config.json": []}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok.eos_token_id is None
+    msgs = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"},
+            {"role": "user", "content": "w8"}]
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    assert list(ids) == [5, 6, 7, 8]  # the prompt is exactly the history's tokens
+    assert tok.decode([5, 0, 1]).split() == ["w5", "<unk>", "<eos>"]  # nothing skipped
+
+
+# ------------------------------------------------------ command lines
+
+
+@pytest.mark.parametrize("arm", ["plain", "offload", "hisparse"])
+def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
+    """`vllm serve`'s own parser and EngineArgs -> VllmConfig (CPU
+    platform): same budget and limits everywhere; the connector and
+    HiSparse where the arm says."""
+    import cpu_noclean  # noqa: F401
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    subprocess.run([sys.executable, str(common.MAKE_MODEL), str(tmp_path)], check=True,
+                   capture_output=True)
+    c = cfg(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+    cmd = agentic.server_command(arm, c, "python3", str(tmp_path))
+    assert cmd[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(cmd[3:])
+    args.model = args.model_tag
+    ea = AsyncEngineArgs.from_cli_args(args)
+    assert ea.compilation_config.cudagraph_capture_sizes == [1, 2, 4]  # before the CPU's reset
+    vc = ea.create_engine_config()
+    assert args.port == c.port(arm) and args.served_model_name == [agentic.SERVED_NAME]
+    assert vc.cache_config.kv_cache_memory_bytes == c.kv_bytes
+    assert vc.scheduler_config.max_num_seqs == c.max_num_seqs
+    assert args.max_num_batched_tokens == c.chunk  # the CPU platform resizes it in vc
+    assert vc.attention_config.sparse_mla_force_mqa is True
+    hs = vc.attention_config.hisparse_config
+    assert (hs is not None) == (arm == "hisparse")
+    connector = vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None
+    assert connector == {"plain": None, "offload": "OffloadingConnector",
+                         "hisparse": "MultiConnector"}[arm]
+    if hs is not None:
+        assert hs.host_pool_gib == c.host_pool_gib
+
+
+def test_upstream_arm_uses_its_own_surface():
+    c = cfg(arms=["upstream"], upstream_compilation_config={"mode": 0})
+    cmd = agentic.server_command("upstream", c, "python3", "/m")
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv == {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"host_pool_gib": c.host_pool_gib}}
+    assert json.loads(cmd[cmd.index("--attention-config") + 1]) == {"sparse_mla_force_mqa": True}
+    assert json.loads(cmd[cmd.index("--compilation-config") + 1]) == {"mode": 0}
+    assert c.port("upstream") != c.port("hisparse")
+
+
+def tool_source() -> Path:
+    path = TOOL_DIR / agentic.TOOL
+    if not path.exists():
+        pytest.skip(f"no {path} (scripts/build.sh generates the pinned tree)")
+    return path
+
+
+def test_tool_command_uses_only_flags_the_tool_has():
+    tree = ast.parse(tool_source().read_text())
+    flags = {a.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and getattr(node.func, "attr", "") == "add_argument"
+             for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    assert "--stats-json-output" in flags and "--num-clients" in flags
+    cmd = agentic.tool_command("python3", Path("t.py"), "/m", "http://x", Path("in.json"),
+                               Path("s.json"), 8, cfg(conversations_per_client=2))
+    used = {x for x in cmd if x.startswith("--")}
+    assert used <= flags, used - flags
+    assert cmd[cmd.index("--max-active-conversations") + 1] == "16"
+
+
+def test_tool_imports_are_on_the_gpu_machine():
+    """Every third-party module the multi-turn tool imports is in the GPU
+    image (scripts/gpu-bundle/image-packages.txt) or shipped by the bundle
+    (deps.txt): it runs there without network."""
+    tool_source()
+    local = {p.stem for p in TOOL_DIR.glob("*.py")}
+    mods = set()
+    for p in TOOL_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                mods |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods.add(node.module.split(".")[0])
+    third = {m for m in mods - local if m not in sys.stdlib_module_names}
+    assert third >= {"aiohttp", "numpy", "pandas", "transformers"}
+
+    def names(f):
+        return {re.split(r"[=\s#]", ln.strip())[0].lower().replace("_", "-")
+                for ln in (ROOT / "scripts/gpu-bundle" / f).read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")}
+
+    shipped = names("image-packages.txt") | names("deps.txt")
+    missing = {m for m in third if m.lower().replace("_", "-") not in shipped}
+    assert not missing, f"the multi-turn tool imports {missing}: not on the GPU machine"
+
+
+def test_tool_reads_our_conversation_list():
+    """The tool's own loader takes our file (needs pandas, as the tool)."""
+    tool_source()
+    pytest.importorskip("pandas")
+    sys.path.insert(0, str(TOOL_DIR))
+    try:
+        import bench_dataset
+    finally:
+        sys.path.remove(str(TOOL_DIR))
+    convs = agentic.conversations(agentic.shape(agentic.Trace(), 0.01), 4, 0, 4)
+    d = bench_dataset.conversations_list_to_dict(json.loads(json.dumps(convs)))
+    assert len(d) == 4 and all(len(m) == 26 for m in d.values())
+
+
+# ---------------------------------------------------------- summaries
+
+
+def record(start, ttft, tpot, out=100, inp=1000, conv="a", turns=1):
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "latency_ms": ttft + tpot * (out - 1),
+            "start_time_ms": start, "input_num_turns": turns, "input_num_tokens": inp,
+            "output_num_tokens": out, "output_num_chunks": out - 1,
+            "output_num_first_chunk_tokens": 1, "approx_cached_percent": 50.0,
+            "conversation_id": conv, "client_id": 0}
+
+
+def test_client_summary():
+    recs = [record(0, 100, 10, conv="a"), record(500, 300, 20, conv="b", turns=3),
+            record(1000, 200, 0.0, conv="a")]
+    s = agentic.client_summary(recs, failures=0)
+    # the last request ends at 1000 + 200 + 0 = 1200 ms; the second at 500 + 300 + 1980
+    assert s["runtime_s"] == pytest.approx(2.78)
+    assert s["output_tokens"] == 300 and s["output_tokens_per_s"] == pytest.approx(300 / 2.78)
+    assert s["ttft_ms_p50"] == 200 and s["ttft_ms_p95"] == pytest.approx(290)
+    assert s["tpot_ms_p50"] == pytest.approx(15)  # a 0 TPOT (one chunk) is left out
+    assert s["conversations"] == 2 and s["input_messages_max"] == 3 and s["failures"] == 0
+    assert agentic.client_summary([], None) == {"requests": 0, "failures": None}
+
+
+def test_tool_failures_sum_the_clients():
+    log = ("... Client 0 is done (num_successes=12, num_failures=0)\n"
+           "... Client 1 is done (num_successes=10, num_failures=2)\n")
+    assert agentic.tool_failures(log) == 2
+    assert agentic.tool_failures("nothing") is None
+
+
+def snaps_of(points):
+    """(t, kwargs of metrics_text) -> [(t, prom.snapshot)]."""
+    return [(t, prom.snapshot(metrics_text(**kw))) for t, kw in points]
+
+
+def test_server_summary_time_weights_running_and_takes_deltas():
+    snaps = snaps_of([
+        (0.0, dict(running=0, preemptions=5, generation=1000, hits=10, lookups=10, h2d=0)),
+        (1.0, dict(running=4, preemptions=5, generation=1100, hits=20, lookups=30, h2d=656)),
+        (3.0, dict(running=8, preemptions=7, generation=1500, hits=60, lookups=90, h2d=6560)),
+        (5.0, dict(running=0, preemptions=7, generation=1900, hits=70, lookups=110, h2d=6560)),
+    ])
+    s = agentic.server_summary(snaps, 0.5, 4.5)
+    # [0.5, 1): 0; [1, 3): 4; [3, 4.5): 8 -> (0 + 8 + 12) / 4
+    assert s["mean_running"] == pytest.approx(5.0) and s["peak_running"] == 8
+    assert s["preemptions"] == 2 and s["generation_tokens"] == 900
+    assert s["generation_tokens_per_s"] == pytest.approx(900 / 5.0)
+    assert s["hot_hit_rate"] == pytest.approx(60 / 100) and s["h2d_bytes"] == 6560
+    assert s["hisparse"]["vllm:hisparse_live_hot_regions"] == {"last": 4.0, "peak": 4.0}
+    assert s["prefix_cache_hit_rate"] is None  # no query between the samples
+    assert s["prompt_tokens_by_source"]["local_compute"] == 0.0
+    assert agentic.server_summary([], 0, 1) == {}
+
+
+def test_server_summary_without_hisparse_series():
+    snaps = [(0.0, prom.snapshot('vllm:num_requests_running{engine="0"} 2\n')),
+             (2.0, prom.snapshot('vllm:num_requests_running{engine="0"} 2\n'))]
+    s = agentic.server_summary(snaps, 0.0, 2.0)
+    assert s["mean_running"] == 2 and s["hot_hit_rate"] is None and s["h2d_bytes"] is None
+    assert s["preemptions"] is None and s["hisparse"] == {}
+
+
+def test_running_series_is_relative_and_thinned():
+    snaps = snaps_of([(10.0 + i, dict(running=i % 5, waiting=1)) for i in range(1000)])
+    pts = agentic.running_series(snaps, 10.0, max_points=100)
+    assert pts[0] == [0.0, 0.0, 1.0] and pts[-1] == [999.0, 4.0, 1.0]
+    assert len(pts) <= 101
+
+
+def test_cache_info_reads_the_gpu_blocks():
+    info = agentic.cache_info(metrics_text())
+    assert info == {"num_gpu_blocks": "3196", "block_size": "64", "cache_dtype": "fp8",
+                    "enable_prefix_caching": "True", "num_cpu_blocks": "None"}
+    assert agentic.cache_info("") == {}
+
+
+# -------------------------------------------------------------- report
+
+
+def level(arm, c, running, tok_s, tpot, **extra):
+    return {"arm": arm, "concurrency": c, "status": "ok",
+            "client": {"output_tokens_per_s": tok_s, "tpot_ms_p50": tpot, "failures": 0,
+                       "requests": 10},
+            "server": {"mean_running": running, "preemptions": 0}, **extra}
+
+
+def test_report_schema_and_verdicts():
+    levels = [level("plain", 16, 3, 100, 10), level("offload", 16, 4, 120, 10),
+              level("hisparse", 16, 15, 300, 9)]
+    rep = agentic.build_report(cfg=cfg(), command="scripts/bench-agentic", arms={"plain": {}},
+                               levels=levels, runs=[{}], failures=[])
+    assert rep["schema"] == agentic.SCHEMA
+    for key in ("command", "config", "workload", "arm_docs", "runs", "arms", "levels",
+                "targets", "failures"):
+        assert key in rep
+    assert rep["workload"]["shape"]["first"] == 9250
+    assert rep["targets"]["P4"]["pass"] is True and rep["targets"]["P5"]["pass"] is True
+    assert rep["targets"]["P8"]["pass"] is None
+    json.dumps(rep)
+
+
+def test_merge_unites_runs_and_a_later_level_wins():
+    ours = agentic.build_report(cfg=cfg(), command="a", arms={"hisparse": {"version": "ours"}},
+                                levels=[level("hisparse", 8, 8, 300, 7),
+                                        level("hisparse", 4, 4, 200, 5)], runs=[{}], failures=[])
+    up = agentic.build_report(cfg=None, command="b", arms={"upstream": {"version": "0.30.0"}},
+                              levels=[level("upstream", 8, 8, 250, 8),
+                                      level("upstream", 4, 4, 150, 6)], runs=[{}],
+                              failures=["x"])
+    m = agentic.merge([ours, up], ["ours.json", "up.json"], tax={"pass": True})
+    assert set(m["arms"]) == {"hisparse", "upstream"} and m["config"] == ours["config"]
+    assert m["targets"]["P8"]["pass"] is True and m["failures"] == ["up.json: x"]
+    again = agentic.merge([m, agentic.build_report(
+        cfg=None, command="c", arms={}, levels=[level("upstream", 8, 8, 350, 8)], runs=[],
+        failures=[])], ["m.json", "rerun.json"], tax={"pass": True})
+    assert again["targets"]["P8"]["pass"] is False
+    assert [lv["source"] for lv in again["levels"] if lv["arm"] == "upstream" and
+            lv["concurrency"] == 8] == ["rerun.json"]
+    with pytest.raises(ValueError):
+        agentic.merge([{"schema": "bench-tax/1"}], ["t.json"])
+
+
+def test_tax_verdict_comes_from_bench_tax():
+    assert agentic.tax_verdict({"targets": {"P8_tax": {"pass": False}}}) == {"pass": False}
+    assert agentic.tax_verdict(None) is None

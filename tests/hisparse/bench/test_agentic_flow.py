@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""scripts/bench-agentic end to end on the CPU: the real command (setup,
+servers side by side, levels with the arms rotated, the /metrics poller,
+the tool's run, summaries, verdicts, the JSON, --merge-with, --plot,
+--merge, --budget) against stand-ins of `vllm serve` (fake_vllm.py) and of
+vLLM's multi-turn tool (fake_multi_turn.py)."""
+
+import json
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from benchlib import agentic, common, plot
+from upstream_bundle import make_bundle
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+SMALL = ["--scale", "0.002", "--turns", "3", "--output-tokens", "20", "--concurrency", "2,3",
+         "--poll", "0.05", "--level-timeout", "60"]
+
+
+def free_base(n: int = 4) -> int:
+    for base in range(23000, 60000, 97):
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+@pytest.fixture
+def agentic_cmd(bench_agentic, monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "has_gpu", lambda: True)
+    monkeypatch.setattr(bench_agentic, "vllm_probe", lambda env: {"version": "fake"})
+
+    def model(path, layers, max_pos, python=sys.executable):
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"eos_token_id": 1,
+                                                      "num_hidden_layers": layers}))
+        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+        return path
+
+    monkeypatch.setattr(common, "ensure_model", model)
+    monkeypatch.setattr(agentic, "server_command", lambda arm, cfg, python, model_dir: [
+        sys.executable, str(HERE / "fake_vllm.py"), "--port", str(cfg.port(arm)),
+        "--arm", arm, "--version", "0.30.0" if arm == "upstream" else "0.26.0+hisparse.1"])
+    tool = tmp_path / "tool"
+    tool.mkdir()
+    shutil.copy(HERE / "fake_multi_turn.py", tool / agentic.TOOL)
+    bundle = make_bundle(tmp_path / "upstream030")
+
+    def run(*args: str, out: str = "out") -> tuple[int, dict, Path]:
+        o = tmp_path / out
+        rc = bench_agentic.main(["--out", str(o), "--work", str(tmp_path / "work"),
+                                 "--tool", str(tool), "--stage", str(tmp_path / "stage"),
+                                 "--upstream-bundle", str(bundle),
+                                 "--port-base", str(free_base()), *args])
+        return rc, json.loads((o / "bench-agentic.json").read_text()), o
+
+    return run
+
+
+def test_all_arms_every_level(agentic_cmd, tmp_path):
+    rc, rep, out = agentic_cmd("--arms", "plain,offload,hisparse,upstream", *SMALL)
+    assert rc == 0, rep["failures"]
+    assert [(lv["concurrency"], lv["arm"]) for lv in rep["levels"]] == [
+        (c, a) for c in (2, 3) for a in sorted(("plain", "offload", "hisparse", "upstream"))]
+    for lv in rep["levels"]:
+        assert lv["status"] == "ok", lv
+        c = lv["concurrency"]
+        assert lv["client"]["requests"] == lv["requests_planned"] == c * 3
+        assert lv["client"]["failures"] == 0 and lv["client"]["output_tokens"] > 0
+        assert 0 < lv["server"]["mean_running"] <= c and lv["server"]["peak_running"] <= c
+        assert lv["server"]["generation_tokens"] == lv["client"]["output_tokens"]
+        assert lv["client_vs_server_tokens"] == 1.0
+        assert lv["reset"]["reset"] is True and lv["series"]
+        assert "--num-clients" in lv["tool_command"]
+    by = {(lv["arm"], lv["concurrency"]): lv for lv in rep["levels"]}
+    assert by[("plain", 3)]["server"]["preemptions"] > 0
+    assert by[("offload", 3)]["server"]["preemptions"] == 0
+    assert by[("hisparse", 3)]["server"]["hot_hit_rate"] == pytest.approx(0.9)
+    assert by[("plain", 3)]["server"]["hot_hit_rate"] is None
+    assert rep["arms"]["upstream"]["version"] == "0.30.0"
+    assert rep["arms"]["hisparse"]["cache"]["num_gpu_blocks"] == "3196"
+    assert rep["runs"][0]["upstream_stage"]["unpacked"] is True
+    assert rep["runs"][0]["model_changes"]["config.json"] == ["eos_token_id"]
+    assert set(rep["targets"]) == {"P4", "P5", "P8"}
+    assert rep["targets"]["P4"]["measured"]["at_concurrency"] == 3
+    p8 = rep["targets"]["P8"]  # no --tax-json: never a pass
+    assert p8["pass"] in (None, False) and p8["measured"]["tax"] is None
+    assert "the tax comparison" in p8["why"] or p8["pass"] is False
+    assert (out / "bench-agentic-command.txt").read_text().startswith("scripts/bench-agentic ")
+    logs = (out / "bench-agentic-logs.txt").read_text()
+    assert "===== server_upstream.log" in logs and "===== tool_plain_c3.log" in logs
+    assert "num_failures=0" in logs
+    # the same conversations for every arm of a level, other ones per level
+    work = tmp_path / "work" / "workload"
+    c2, c3 = (json.loads((work / f"conversations_c{c}.json").read_text()) for c in (2, 3))
+    assert len(c2) == 2 and len(c3) == 3 and c2[0] != c3[0]
+    if plot_ok():
+        assert (out / plot.THROUGHPUT_PNG).read_bytes()[:4] == b"\x89PNG"
+
+
+def plot_ok() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def test_a_server_that_does_not_start_fails_its_arm_only(agentic_cmd, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_EXIT", "offload")
+    rc, rep, _ = agentic_cmd("--arms", "plain,offload", *SMALL)
+    assert rc == 1
+    assert any("offload: server exited with 3" in f for f in rep["failures"])
+    assert {lv["arm"]: lv["status"] for lv in rep["levels"] if lv["concurrency"] == 2} == {
+        "plain": "ok", "offload": "error"}
+
+
+def test_sequential_start_and_budget(agentic_cmd):
+    rc, rep, _ = agentic_cmd("--arms", "plain", "--sequential-start", *SMALL)
+    assert rc == 0 and {lv["status"] for lv in rep["levels"]} == {"ok"}
+    rc, rep, _ = agentic_cmd("--arms", "plain", "--budget", "0", *SMALL, out="b")
+    assert rc == 1 and {lv["status"] for lv in rep["levels"]} == {"skipped"}
+
+
+def test_merge_with_an_earlier_run_and_the_tax(agentic_cmd, tmp_path):
+    rc, ours, _ = agentic_cmd("--arms", "hisparse", *SMALL, out="ours")
+    assert rc == 0
+    tax = tmp_path / "tax.json"
+    tax.write_text(json.dumps({"schema": "bench-tax/1", "targets": {"P8_tax": {"pass": True}}}))
+    rc, rep, _ = agentic_cmd("--arms", "upstream", *SMALL, "--merge-with",
+                             str(tmp_path / "ours" / "bench-agentic.json"), "--tax-json", str(tax),
+                             out="up")
+    assert rc == 0
+    assert agentic.arms_in(rep["levels"]) == ["hisparse", "upstream"]
+    p8 = rep["targets"]["P8"]
+    assert set(p8["measured"]["levels"]) == {"2", "3"} and p8["measured"]["tax"] == {"pass": True}
+    assert p8["pass"] in (True, False)  # measured: the stand-ins' figures decide
+
+
+def test_merge_and_plot_commands(agentic_cmd, bench_agentic, tmp_path, capsys):
+    agentic_cmd("--arms", "plain", *SMALL, out="a")
+    agentic_cmd("--arms", "offload", *SMALL, out="b")
+    files = [str(tmp_path / x / "bench-agentic.json") for x in ("a", "b")]
+    assert bench_agentic.main(["--merge", *files, "--out", str(tmp_path / "m")]) == 0
+    m = json.loads((tmp_path / "m" / "bench-agentic.json").read_text())
+    assert m["merged_from"] == files and agentic.arms_in(m["levels"]) == ["plain", "offload"]
+    if plot_ok():
+        assert bench_agentic.main(["--plot", files[0], "--out", str(tmp_path / "p")]) == 0
+        assert (tmp_path / "p" / plot.RUNNING_PNG).exists()
+    else:
+        with pytest.raises(SystemExit, match="needs matplotlib"):
+            bench_agentic.main(["--plot", files[0], "--out", str(tmp_path / "p")])
+
+
+def test_dry_run_and_write_workload(bench_agentic, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "has_gpu", lambda: pytest.fail("dry run looked for a GPU"))
+    assert bench_agentic.main(["--dry-run", "--arms", "plain,hisparse,upstream"]) == 0
+    out = capsys.readouterr().out
+    assert "hisparse_config" in out and "HiSparseConnector" in out and "estimate" in out
+    assert bench_agentic.main(["--write-workload", str(tmp_path / "w"),
+                               "--concurrency", "4,8"]) == 0
+    convs = json.loads((tmp_path / "w" / "conversations_c8.json").read_text())
+    assert len(convs) == 8 and len(convs[0]["messages"]) == 26
+
+
+def test_with_vllms_own_multi_turn_tool(agentic_cmd, monkeypatch, tmp_path):
+    """The pinned tree's benchmark_serving_multi_turn.py itself (where its
+    pandas is importable) on our conversation files and a real tiny model
+    folder: it parses our streams, counts our tokens and writes the records
+    the summaries read."""
+    tool = ROOT / "work" / "build" / "vllm" / "benchmarks" / "multi_turn"
+    if not (tool / agentic.TOOL).exists():
+        pytest.skip("no pinned tree (scripts/build.sh)")
+    pytest.importorskip("pandas")
+    import subprocess
+
+    def model(path, layers, max_pos, python=sys.executable):
+        subprocess.run([sys.executable, str(common.MAKE_MODEL), str(path), "--max-pos",
+                        str(max_pos)], check=True, capture_output=True)
+        return Path(path)
+
+    monkeypatch.setattr(common, "ensure_model", model)
+    rc, rep, _ = agentic_cmd("--arms", "hisparse", *SMALL, "--tool", str(tool))
+    assert rc == 0, rep["failures"]
+    for lv in rep["levels"]:
+        cl = lv["client"]
+        assert lv["status"] == "ok" and cl["failures"] == 0
+        # it stops once its first client is done: the others' last turns may not run
+        assert 0 < cl["requests"] <= lv["requests_planned"]
+        assert cl["conversations"] == lv["concurrency"]
+        assert cl["output_tokens"] == lv["server"]["generation_tokens"]
+        assert cl["tpot_ms_p50"] > 0 and cl["ttft_ms_p50"] > 0

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""benchlib.targets: P2, its split, P6, P8's tax, P4, P5 and P8 pass, fail,
+or say what was not measured."""
+
+import pytest
+from benchlib import targets as T
+
+ALL = {(m, b): 1.05 for m in T.P2_MODES for b in T.P2_BATCHES}
+
+
+def test_p2_passes_fails_and_names_what_is_missing():
+    assert T.p2(ALL)["pass"] is True
+    assert T.p2({**ALL, ("fdo", 8): 1.11})["pass"] is False
+    assert T.p2({**ALL, ("fdo", 8): 1.10})["pass"] is True  # <= 1.10x
+    part = {k: v for k, v in ALL.items() if k[0] == "default"}
+    v = T.p2(part)
+    assert v["pass"] is None and "fdo/batch1" in v["why"]
+    # a measured miss is a fail even when other cells are missing
+    assert T.p2({("default", 1): 1.9})["pass"] is False
+
+
+def test_p2_split():
+    ok = {("default", 1): {"fixed_us": 55.0, "per_layer_us": 3.9, "layers": [4, 32]}}
+    assert T.p2_split(ok)["pass"] is True
+    assert T.p2_split({("default", 1): {"fixed_us": 61.0, "per_layer_us": 1.0}})["pass"] is False
+    assert T.p2_split({("fdo", 16): {"fixed_us": 10.0, "per_layer_us": 4.5}})["pass"] is False
+    assert T.p2_split({})["pass"] is None
+
+
+def test_p6_and_p8_tax():
+    assert T.p6({"default": 1.04})["pass"] is True
+    assert T.p6({"default": 1.04, "fdo": 1.06})["pass"] is False
+    assert T.p6({})["pass"] is None
+    ours, up = {("fdo", 1): 1.9, ("fdo", 8): 1.2}, {("fdo", 1): 1.67, ("fdo", 8): 1.96}
+    v = T.p8_tax(ours, up)
+    assert v["pass"] is False and v["measured"]["fdo/batch8"]["pass"] is True
+    assert T.p8_tax({("fdo", 8): 1.2}, up)["pass"] is True
+    assert T.p8_tax({("default", 1): 1.2}, up)["pass"] is None
+
+
+def lv(arm, c, running, preempt=0, tok_s=100.0, tpot=10.0, status="ok", failures=0):
+    return {"arm": arm, "concurrency": c, "status": status,
+            "client": {"output_tokens_per_s": tok_s, "tpot_ms_p50": tpot,
+                       "failures": failures, "requests": 10},
+            "server": {"mean_running": running, "preemptions": preempt,
+                       "generation_tokens_per_s": tok_s}}
+
+
+def test_p4_at_the_highest_common_level():
+    levels = [lv("plain", 4, 4), lv("offload", 4, 4), lv("hisparse", 4, 4),
+              lv("plain", 32, 3, preempt=40), lv("offload", 32, 5), lv("hisparse", 32, 16)]
+    v = T.p4(levels)
+    assert v["measured"]["at_concurrency"] == 32
+    assert v["measured"]["levels"][32]["hisparse_vs_plain"] == pytest.approx(16 / 3, abs=1e-3)
+    assert v["pass"] is True
+    assert v["measured"]["levels"][32]["p4_attainable"] is True
+    # a preemption of the hisparse arm at any level fails it
+    assert T.p4(levels[:-1] + [lv("hisparse", 32, 16, preempt=1)])["pass"] is False
+    # 3x offload missed
+    assert T.p4(levels[:-1] + [lv("hisparse", 32, 14)])["pass"] is False
+    assert T.p4([lv("hisparse", 8, 8)])["pass"] is None
+
+
+def test_p4_notes_a_level_too_low_to_show_the_ratio():
+    v = T.p4([lv("plain", 8, 3), lv("offload", 8, 3), lv("hisparse", 8, 8)])
+    assert v["measured"]["levels"][8]["p4_attainable"] is False and v["pass"] is False
+
+
+def test_p5_uses_the_highest_level_the_baseline_sustains():
+    levels = [lv("offload", 8, 5, tok_s=100, tpot=10), lv("hisparse", 8, 8, tok_s=250, tpot=9),
+              lv("offload", 16, 5, tok_s=90, tpot=20, failures=2),
+              lv("hisparse", 16, 16, tok_s=150, tpot=12)]
+    v = T.p5(levels)
+    assert v["measured"]["at_concurrency"] == 8 and v["pass"] is True
+    slower = levels[:1] + [lv("hisparse", 8, 8, tok_s=250, tpot=11)]
+    assert T.p5(slower)["pass"] is False  # TPOT p50 worse than the baseline's
+    assert T.p5(levels[:1] + [lv("hisparse", 8, 8, tok_s=150, tpot=9)])["pass"] is False
+    assert T.p5([lv("hisparse", 8, 8)])["pass"] is None
+    timed_out = [lv("offload", 8, 5, status="timeout"), lv("hisparse", 8, 8)]
+    assert T.p5(timed_out)["pass"] is None
+
+
+def test_p8_every_level_and_the_tax():
+    levels = [lv("hisparse", 4, 4, tok_s=200, tpot=5), lv("upstream", 4, 4, tok_s=150, tpot=6),
+              lv("hisparse", 8, 8, tok_s=300, tpot=7), lv("upstream", 8, 8, tok_s=250, tpot=8)]
+    tax_ok = {"pass": True}
+    assert T.p8(levels, tax_ok)["pass"] is True
+    assert T.p8(levels, None)["pass"] is None  # the tax was not compared
+    assert T.p8(levels, {"pass": False})["pass"] is False
+    worse = levels[:3] + [lv("upstream", 8, 8, tok_s=350, tpot=8)]
+    assert T.p8(worse, tax_ok)["pass"] is False
+    assert T.p8(levels[:1], tax_ok)["pass"] is None
+
+
+def test_timeout_levels_count_with_server_side_throughput():
+    """A level the tool did not finish still has the server's figures."""
+    t = lv("hisparse", 8, 8, status="timeout")
+    t["client"] = {}
+    assert T._tok_s(t) == 100.0 and T._tpot_p50(t) is None
+    assert T.sustained(t) is False

@@ -1,0 +1,320 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench-tax's pure logic (benchlib.tax): the arms' engine arguments (checked
+by vLLM's own EngineArgs on the CPU platform), the no-pressure pool sizes
+against the real HiSparse layout, the plan and its duration against the
+device budget, summaries, ratios, the fixed + per-layer fit, the profile
+breakdown, merging and the verdicts."""
+
+import json
+
+import pytest
+from benchlib import tax, targets
+from benchlib.engine_worker import prompts_for, to_configs
+
+DOC_COMMANDS = {  # docs/benchmarks.md: one device call each
+    "tax-4": dict(modes=["default", "fdo"], layers=[4],
+                  arms=["off", "on", "on_offload", "on_lazy"], profile=True,
+                  profile_batches=[16]),
+    "tax-32-default": dict(modes=["default"], layers=[32]),
+    "tax-32-fdo": dict(modes=["fdo"], layers=[32]),
+    "tax-upstream": dict(modes=["default", "fdo"], layers=[4], arms=["u_off", "u_on"],
+                         profile=True, profile_batches=[16]),
+    "mirror": dict(modes=["default", "fdo"], layers=[4], arms=["on", "on_lazy"], batches=[16]),
+}
+
+
+def cfg(**kw) -> tax.TaxConfig:
+    c = tax.TaxConfig(**kw)
+    c.validate()
+    return c
+
+
+# --------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(arms=["nope"]), "unknown arm"), (dict(modes=["graph"]), "unknown mode"),
+    (dict(reps=0), "reps"), (dict(n=0), "new-tokens"),
+    (dict(prompt_len=16300), "exceeds max_model_len"), (dict(weights="real"), "weights"),
+    (dict(gpu_memory_utilization=1.5), "gpu-memory"), (dict(arms=[]), "no arm"),
+    (dict(profile=True, profile_batches=[4]), "profile-batches"),
+])
+def test_config_refuses(bad, match):
+    with pytest.raises(ValueError, match=match):
+        cfg(**bad)
+
+
+def test_llm_kwargs_per_arm():
+    c = cfg(arms=list(tax.ARMS))
+    off = tax.llm_kwargs(c, "off", "default", 4, "/m")
+    assert off["attention_config"] == {"sparse_mla_force_mqa": True}
+    assert "kv_transfer_config" not in off and "compilation_config" not in off
+    on = tax.llm_kwargs(c, "on", "fdo", 4, "/m")
+    hs = on["attention_config"]["hisparse_config"]
+    assert hs["admission_max_tokens"] == c.max_model_len and hs["eager_host_mirror"] is True
+    assert on["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert tax.llm_kwargs(c, "on_lazy", "default", 4, "/m")["attention_config"][
+        "hisparse_config"]["eager_host_mirror"] is False
+    kv = tax.llm_kwargs(c, "on_offload", "default", 4, "/m")["kv_transfer_config"]
+    assert kv["kv_connector"] == "OffloadingConnector"
+    assert kv["kv_connector_extra_config"]["spec_name"] == "TieringOffloadingSpec"
+    u = tax.llm_kwargs(c, "u_on", "default", 4, "/m")
+    assert u["kv_transfer_config"]["kv_connector"] == "HiSparseConnector"
+    assert u["attention_config"] == {"sparse_mla_force_mqa": True}
+    assert tax.llm_kwargs(c, "off", "eager", 4, "/m")["enforce_eager"] is True
+    # every arm: the same model, pool, batch limit and prefill path
+    for arm in tax.ARMS:
+        kw = tax.llm_kwargs(c, arm, "default", 32, "/m")
+        assert kw["max_num_seqs"] == 16 and kw["kv_cache_memory_bytes"] == c.kv_bytes(32)
+        json.dumps(kw)  # the spec travels as JSON
+
+
+def test_compilation_extra_reaches_only_its_arms():
+    c = cfg(arms=["off", "u_off"], compilation_extra={"cudagraph_capture_sizes": [1, 16]},
+            upstream_compilation_extra={"mode": 0})
+    assert tax.llm_kwargs(c, "off", "fdo", 4, "/m")["compilation_config"] == {
+        "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 16]}
+    assert tax.llm_kwargs(c, "u_off", "default", 4, "/m")["compilation_config"] == {"mode": 0}
+
+
+@pytest.mark.parametrize("arm", ["off", "on", "on_offload", "on_lazy"])
+@pytest.mark.parametrize("mode", ["default", "fdo"])
+def test_vllm_accepts_our_engine_arguments(arm, mode, tmp_path):
+    """vLLM's own EngineArgs -> VllmConfig on the CPU platform: the keys,
+    the HiSparse config and the composed connector resolve as intended."""
+    import cpu_noclean  # noqa: F401  (the CPU platform)
+    import subprocess
+    import sys
+
+    from vllm.config import CompilationConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from benchlib import common
+
+    model = tmp_path / "m"
+    subprocess.run([sys.executable, str(common.MAKE_MODEL), str(model)], check=True,
+                   capture_output=True)
+    kw = to_configs(tax.llm_kwargs(cfg(arms=[arm]), arm, mode, 4, str(model)), "ours")
+    if "compilation_config" in kw:
+        kw["compilation_config"] = CompilationConfig(**kw["compilation_config"])
+    vc = EngineArgs(**kw).create_engine_config()
+    assert vc.attention_config.sparse_mla_force_mqa is True  # same prefill path everywhere
+    hs = vc.attention_config.hisparse_config
+    assert (hs is not None) == (arm != "off")
+    if hs is not None:
+        assert hs.admission_max_tokens == vc.model_config.max_model_len
+        assert hs.eager_host_mirror == (arm != "on_lazy")
+    connector = vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None
+    assert connector == {"off": None, "on": "HiSparseConnector", "on_lazy": "HiSparseConnector",
+                         "on_offload": "MultiConnector"}[arm]
+    assert vc.cache_config.kv_cache_memory_bytes == kw["kv_cache_memory_bytes"]
+
+
+@pytest.mark.parametrize("layers", [4, 32])
+def test_auto_pools_hold_every_prompt_fully_resident(layers):
+    """No pressure by construction: the GPU pool holds every batch's prompts
+    fully resident (one indexer + every resident group's page per 64
+    tokens, the real layout's bytes per block) with room to spare, and the
+    startup minimum (one max_model_len request admitted whole); the host
+    pool holds every prompt's pages too."""
+    from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
+    from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+
+    c = cfg(layers=[layers])
+    hf = {"num_hidden_layers": layers, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+          "index_head_dim": 128, "index_topk": 256, "index_topk_freq": 1}
+    params = HiSparseParams(index_topk=256, max_decode_query_len=1, device_buffer_size=512,
+                            admission_max_tokens=c.max_model_len, host_pool_bytes=0)
+    lay = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
+    tokens_per_prompt = c.prompt_len + c.n + c.m
+    need = sum(c.batches) * lay.request_blocks(tokens_per_prompt).fully_resident \
+        * lay.bytes_per_block
+    assert need * 1.5 <= c.kv_bytes(layers)
+    assert lay.gpu_bytes_per_request(c.max_model_len) <= c.kv_bytes(layers)
+    # the host pool: every prompt's pages (the eager mirror writes them all)
+    pages = -(-tokens_per_prompt // 64)
+    host_need = sum(c.batches) * pages * lay.host_block_stride(False)
+    assert host_need * 1.5 <= c.host_gib(layers) * tax.GIB
+
+
+def test_prompts_are_the_same_in_every_arm_and_differ_by_batch():
+    a, b = prompts_for(8, 100, 0), prompts_for(8, 100, 0)
+    assert a == b and len(a) == 8 and all(len(p["prompt_token_ids"]) == 100 for p in a)
+    assert prompts_for(16, 100, 0)[:8] != a
+    assert all(2 <= t < 8192 for p in a for t in p["prompt_token_ids"])
+
+
+# ----------------------------------------------------------------- plan
+
+
+def test_engines_and_groups():
+    c = cfg(modes=["default", "fdo"], layers=[4, 32], arms=["off", "on"])
+    assert tax.groups(c) == [("default", 4), ("fdo", 4), ("default", 32), ("fdo", 32)]
+    assert len(tax.engines(c)) == 8
+    assert tax.engine_key("fdo", 32, "on") == "fdo/L32/on"
+
+
+@pytest.mark.parametrize("name", sorted(DOC_COMMANDS))
+def test_documented_commands_fit_one_device_call(name):
+    """The prior says each documented command ends within its budget (the
+    run stops sampling at --budget anyway; this keeps the docs honest)."""
+    c = cfg(**DOC_COMMANDS[name])
+    assert tax.estimate_s(c)["total_s"] <= c.budget_s
+
+
+def test_estimate_grows_with_the_work():
+    small, big = tax.estimate_s(cfg()), tax.estimate_s(cfg(reps=10, layers=[4, 32]))
+    assert big["measure_s"] > 2 * small["measure_s"]
+    assert big["engine_starts_s"] > small["engine_starts_s"]
+
+
+# ------------------------------------------------------------ summaries
+
+
+def samples(step_ms: dict, reps=5, run=0, n=128, m=16, drift=0.0):
+    """Synthetic samples: arm -> {(mode, layers, batch): ms per step};
+    ``drift`` adds ms per position in time (alternation cancels it)."""
+    out, t = [], 0
+    from benchlib import stats
+
+    cells = sorted({k for v in step_ms.values() for k in v})
+    for mode, L, b in cells:
+        arms = [a for a in step_ms if (mode, L, b) in step_ms[a]]
+        for rep, order in enumerate(stats.alternation(arms, reps)):
+            for pos, arm in enumerate(order):
+                ms = step_ms[arm][(mode, L, b)] + drift * t
+                t += 1
+                short = 0.1 + m * ms / 1e3
+                out.append(tax.sample_record(run=run, mode=mode, layers=L, batch=b, rep=rep,
+                                             arm=arm, position=pos, t_short_s=short,
+                                             t_long_s=short + n * ms / 1e3, n=n))
+    return out
+
+
+def test_summary_ratios_and_tax():
+    s = tax.summarize(samples({"off": {("default", 4, 1): 2.0}, "on": {("default", 4, 1): 2.1}}))
+    cell = s["default"]["4"]["1"]
+    assert cell["arms"]["off"]["median"] == pytest.approx(2.0)
+    assert cell["ratios"]["on/off"]["ratio_of_medians"] == pytest.approx(1.05)
+    assert cell["ratios"]["on/off"]["pairwise"]["median"] == pytest.approx(1.05)
+    assert cell["tax_us"] == pytest.approx(100.0)
+
+
+def test_alternation_cancels_a_drift_in_the_ratio():
+    even = samples({"off": {("fdo", 4, 8): 3.0}, "on": {("fdo", 4, 8): 3.0}}, reps=6,
+                   drift=0.01)
+    r = tax.summarize(even)["fdo"]["4"]["8"]["ratios"]["on/off"]
+    assert r["ratio_of_medians"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_fit_recovers_fixed_and_per_layer():
+    # tax = 40 us + 3 us x layers at batch 16 in both modes
+    step = {"off": {}, "on": {}}
+    for mode in ("default", "fdo"):
+        for L in (4, 32):
+            step["off"][(mode, L, 16)] = 1.0 + 0.3 * L
+            step["on"][(mode, L, 16)] = step["off"][(mode, L, 16)] + (40 + 3 * L) / 1e3
+    summary = tax.summarize(samples(step))
+    fit = tax.fits(summary)
+    assert fit["fdo"]["16"]["fixed_us"] == pytest.approx(40.0, abs=1e-6)
+    assert fit["fdo"]["16"]["per_layer_us"] == pytest.approx(3.0, abs=1e-6)
+    v = tax.evaluate(summary)["P2_split"]
+    assert v["pass"] is True and set(v["measured"]) == {"default/batch16", "fdo/batch16"}
+
+
+def test_fit_needs_two_layer_counts():
+    summary = tax.summarize(samples({"off": {("default", 4, 1): 1.0},
+                                     "on": {("default", 4, 1): 1.1}}))
+    assert tax.fits(summary) == {}
+    assert tax.evaluate(summary)["P2_split"]["pass"] is None
+
+
+def test_p2_is_read_on_the_tiny_model_only():
+    s = tax.summarize(samples({"off": {("default", 32, 1): 8.0},
+                               "on": {("default", 32, 1): 8.1}}))
+    assert tax.evaluate(s)["P2"]["pass"] is None  # a 32-layer run alone says nothing of P2
+
+
+def test_evaluate_p2_uses_the_tiny_model_and_p6_batch16():
+    step = {"off": {}, "on": {}, "on_lazy": {}, "on_offload": {}}
+    for mode in ("default", "fdo"):
+        for b in (1, 8, 16):
+            step["off"][(mode, 4, b)] = 2.0
+            step["on"][(mode, 4, b)] = 2.1
+            step["off"][(mode, 32, b)] = 8.0
+            step["on"][(mode, 32, b)] = 12.0  # at 32 layers the ratio would fail
+        step["on_lazy"][(mode, 4, 16)] = 2.05
+        step["on_offload"][(mode, 4, 16)] = 2.1
+    v = tax.evaluate(tax.summarize(samples(step)))
+    assert v["P2"]["pass"] is True
+    assert v["P6"]["pass"] is True and v["P6"]["measured"]["fdo"]["ratio"] == pytest.approx(
+        2.1 / 2.05, abs=1e-4)
+    assert v["offload_adds_nothing"]["pass"] is True
+    assert v["P8_tax"]["pass"] is None
+
+
+def test_p8_tax_from_merged_runs():
+    ours = samples({"off": {("fdo", 4, 8): 2.0}, "on": {("fdo", 4, 8): 2.4}}, run=0)
+    up = samples({"u_off": {("fdo", 4, 8): 2.5}, "u_on": {("fdo", 4, 8): 4.9}}, run=0)
+    reports = [tax.build_report(cfg=None, command="a", samples=ours, engines_info={},
+                                profiles={}, runs=[{}], failures=[]),
+               tax.build_report(cfg=None, command="b", samples=up, engines_info={"x": {}},
+                                profiles={}, runs=[{}], failures=["late"])]
+    merged = tax.merge(reports, ["ours.json", "upstream.json"])
+    assert merged["targets"]["P8_tax"]["pass"] is True
+    assert merged["targets"]["P8_tax"]["measured"]["fdo/batch8"]["ours"] == pytest.approx(1.2)
+    assert {s["run"] for s in merged["samples"]} == {0, 1}
+    assert merged["failures"] == ["upstream.json: late"] and "run1:x" in merged["engines"]
+    with pytest.raises(ValueError, match="not a bench-tax"):
+        tax.merge([{"schema": "other"}], ["x.json"])
+
+
+def test_ratio_pairs_the_same_repetition_of_the_same_run():
+    a = samples({"on": {("default", 4, 1): 2.0}}, reps=2, run=0) + \
+        samples({"on": {("default", 4, 1): 4.0}}, reps=2, run=1)
+    b = samples({"off": {("default", 4, 1): 1.0}}, reps=2, run=0) + \
+        samples({"off": {("default", 4, 1): 2.0}}, reps=2, run=1)
+    r = tax.ratio(a, b, "p2")
+    assert r["pairwise"]["min"] == pytest.approx(2.0) and r["pairwise"]["max"] == pytest.approx(2.0)
+
+
+def test_report_schema():
+    rep = tax.build_report(cfg=cfg(), command="scripts/bench-tax", samples=samples(
+        {"off": {("default", 4, 1): 1.0}, "on": {("default", 4, 1): 1.2}}), engines_info={},
+        profiles={}, runs=[{"started": "x"}], failures=[])
+    assert rep["schema"] == tax.SCHEMA
+    for key in ("command", "config", "arms", "modes", "method", "runs", "engines", "summary",
+                "fit", "targets", "profile", "samples", "failures"):
+        assert key in rep
+    assert set(rep["targets"]) == {"P2", "P2_split", "P6", "P8_tax", "offload_adds_nothing"}
+    assert rep["targets"]["P2"]["target"] == targets.TEXT["P2"]
+    json.dumps(rep)
+
+
+# -------------------------------------------------------------- profile
+
+
+def test_profile_per_step_is_the_difference_over_the_extra_steps():
+    def ev(k):  # k decode steps: a graph launch, 5 launches, 2 copies and 3 kernels each
+        return [{"name": "cudaGraphLaunch", "device": "cpu", "count": k},
+                {"name": "cudaLaunchKernel", "device": "cpu", "count": 5 * k + 40},
+                {"name": "cudaMemcpyAsync", "device": "cpu", "count": 2 * k + 7},
+                {"name": "cudaStreamWaitEvent", "device": "cpu", "count": k},
+                {"name": "aten::copy_", "device": "cpu", "count": 99 * k},
+                {"name": "custom_op_cuda", "device": "cpu", "count": 3},
+                {"name": "gather_kernel", "device": "cuda", "count": 2 * k,
+                 "self_device_us": 6.0 * k},
+                {"name": "attn", "device": "cuda", "count": k, "self_device_us": 20.0 * k + 500},
+                {"name": "Memcpy HtoD (Pinned -> Device)", "device": "cuda", "count": k,
+                 "self_device_us": 1.5 * k}]
+    p = tax.profile_per_step(ev(16), ev(144), 128)
+    ps = p["per_step"]
+    assert ps["graph_launches"] == pytest.approx(1) and ps["kernel_launches"] == pytest.approx(5)
+    assert ps["cuda_memcpy_async"] == pytest.approx(2)
+    assert ps["device_kernels"] == pytest.approx(3) and ps["device_kernel_us"] == pytest.approx(26)
+    assert ps["device_copies"] == pytest.approx(1) and ps["device_copy_us"] == pytest.approx(1.5)
+    assert ps["runtime_calls"]["cudaStreamWaitEvent"] == pytest.approx(1)
+    assert "aten::copy_" not in ps["runtime_calls"] and "custom_op_cuda" not in ps["runtime_calls"]
+    assert [k["name"] for k in p["top_kernels"]] == ["attn", "gather_kernel"]
+    with pytest.raises(ValueError):
+        tax.profile_per_step([], [], 0)

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""scripts/bench-tax end to end on the CPU: the real command (arguments,
+engine processes, the JSON-lines protocol, alternation, budget, profiles,
+counters, the report, --merge) with a stand-in engine process
+(fake_engine.py) whose step times are computed, not measured."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from benchlib import common
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def tax_cmd(bench_tax, monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "has_gpu", lambda: True)
+
+    def model(path, layers, max_pos, python=sys.executable):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        return Path(path)
+
+    monkeypatch.setattr(common, "ensure_model", model)
+    monkeypatch.setattr(bench_tax.Run, "worker_command", [sys.executable, str(HERE / "fake_engine.py")])
+    calls = tmp_path / "calls.log"
+    monkeypatch.setenv("FAKE_ENGINE_LOG", str(calls))
+
+    def run(*args: str) -> tuple[int, dict, list[str]]:
+        out = tmp_path / "out"
+        rc = bench_tax.main(["--out", str(out), "--work", str(tmp_path / "work"), *args])
+        rep = json.loads((out / "bench-tax.json").read_text())
+        return rc, rep, calls.read_text().split("\n")[:-1] if calls.exists() else []
+
+    return run
+
+
+def test_full_run(tax_cmd, tmp_path):
+    rc, rep, calls = tax_cmd("--arms", "off,on,on_offload,on_lazy", "--modes", "default,fdo",
+                             "--layers", "4,32", "--batches", "1,16", "--reps", "4",
+                             "--profile", "--profile-batches", "16")
+    assert rc == 0 and rep["failures"] == []
+    assert len(rep["samples"]) == 2 * 2 * 2 * 4 * 4
+    assert rep["command"].startswith("scripts/bench-tax --out ")
+    # the arms alternate: the order of the engines' sample calls rotates
+    first = [ln.split()[0].rsplit("/", 1)[1] for ln in calls[:8]]
+    assert first == ["off", "on", "on_offload", "on_lazy", "on", "on_offload", "on_lazy", "off"]
+    cell = rep["summary"]["fdo"]["4"]["16"]
+    assert cell["ratios"]["on/off"]["ratio_of_medians"] == pytest.approx(1.5)
+    assert cell["ratios"]["on_offload/on"]["ratio_of_medians"] == pytest.approx(1.01)
+    assert cell["ratios"]["on/on_lazy"]["ratio_of_medians"] == pytest.approx(1.5 / 1.4)
+    # fake tax = 0.5 x (0.5 + 0.1 b) x L / 4 ms: no fixed part, 262.5 us per layer at b=16
+    fit = rep["fit"]["default"]["16"]
+    assert fit["fixed_us"] == pytest.approx(0.0, abs=1e-6)
+    assert fit["per_layer_us"] == pytest.approx(262.5)
+    t = rep["targets"]
+    assert t["P2"]["pass"] is False and t["P2_split"]["pass"] is False
+    assert t["P6"]["pass"] is False and t["offload_adds_nothing"]["pass"] is True
+    assert t["P2"]["why"] == "not measured: default/batch8, fdo/batch8"
+    # profiles per engine at batch 16: the stand-in's per-step launch counts
+    prof = rep["profile"]["default/L4/on/batch16"]["per_step"]
+    assert prof["kernel_launches"] == pytest.approx(12) and prof["graph_launches"] == 1
+    assert rep["profile"]["default/L4/off/batch16"]["per_step"]["kernel_launches"] == 2
+    eng = rep["engines"]["default/L4/on"]
+    assert eng["no_pressure"] == {"no_misses": True, "no_lost_pages": True,
+                                  "no_hot_regions": True, "counters_read": True}
+    assert eng["versions"]["vllm"] == "fake"
+    assert rep["versions"] == {"ours": [{"vllm": "fake", "torch": "x"}]}
+    assert "no_pressure" not in rep["engines"]["default/L4/off"]
+    logs = (tmp_path / "out" / "bench-tax-logs.txt").read_text()
+    assert logs.count("===== ") == 16 and "fdo_L32_on_lazy.log" in logs
+
+
+def test_an_engine_that_does_not_start_is_reported_and_the_rest_run(tax_cmd, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_FAIL", "fdo/L4/on")
+    rc, rep, _ = tax_cmd("--modes", "default,fdo", "--batches", "1", "--reps", "2")
+    assert rc == 1
+    assert any("fdo/L4/on: engine did not start: RuntimeError: no GPU" in f
+               for f in rep["failures"])
+    assert "error" in rep["engines"]["fdo/L4/on"]
+    assert {s["arm"] for s in rep["samples"] if s["mode"] == "fdo"} == {"off"}
+    assert "on/off" in rep["summary"]["default"]["4"]["1"]["ratios"]
+
+
+def test_pressure_in_the_no_pressure_arm_fails_the_run(tax_cmd, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MISSES", "1")
+    rc, rep, _ = tax_cmd("--modes", "default", "--batches", "1", "--reps", "1")
+    assert rc == 1
+    assert rep["engines"]["default/L4/on"]["no_pressure"]["no_misses"] is False
+    assert any("not pressure-free" in f for f in rep["failures"])
+
+
+def test_budget_stops_sampling_and_keeps_the_report(tax_cmd):
+    rc, rep, _ = tax_cmd("--modes", "default", "--batches", "1,8", "--budget", "0")
+    assert rc == 1 and rep["samples"] == []
+    assert "default/L4/batch1: not measured (budget)" in rep["failures"]
+
+
+def test_mirror_mode_runs_eager_vs_lazy_at_batch16(tax_cmd):
+    rc, rep, _ = tax_cmd("--mirror", "--modes", "default", "--reps", "2")
+    assert rc == 0
+    assert {(s["arm"], s["batch"]) for s in rep["samples"]} == {("on", 16), ("on_lazy", 16)}
+    assert rep["targets"]["P6"]["measured"]["default"]["ratio"] == pytest.approx(1.5 / 1.4,
+                                                                                abs=1e-4)
+
+
+def test_merge_of_two_runs(tax_cmd, bench_tax, tmp_path):
+    _, a, _ = tax_cmd("--modes", "fdo", "--layers", "4", "--batches", "8", "--reps", "2")
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    _, b, _ = tax_cmd("--modes", "fdo", "--layers", "32", "--batches", "8", "--reps", "2")
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert bench_tax.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                           "--out", str(tmp_path / "m")]) == 0
+    m = json.loads((tmp_path / "m" / "bench-tax.json").read_text())
+    assert m["fit"]["fdo"]["8"]["layers"] == [4, 32]
+    assert m["merged_from"] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert len(m["runs"]) == 2
+
+
+def test_dry_run_starts_nothing(bench_tax, capsys, monkeypatch):
+    monkeypatch.setattr(common, "has_gpu", lambda: pytest.fail("dry run looked for a GPU"))
+    assert bench_tax.main(["--dry-run", "--layers", "4,32", "--arms", "off,on,u_on"]) == 0
+    out = capsys.readouterr().out
+    assert "default/L32/u_on" in out and "HiSparseConnector" in out
+    assert "estimate: engine starts" in out

@@ -398,7 +398,7 @@ def test_request_state_follows_hot_regions_and_padding_is_minus_one():
     rig.batch.schedule(computed=[5, 5], scheduled=[1, 1])
     md = attn_metadata(rig.batch, 2, 2)
     rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
-    slot = rt.slots.of_region[20]
+    slot = rt.slots.of_region(20)
     assert rt.req_state[:3].tolist() == [slot, rt.resident_only_slot, -1]
     assert rt.row_req[:4].tolist() == [0, 1, -1, -1]
     for group in rt.groups:
@@ -521,7 +521,7 @@ def test_rewritten_rows_drop_hot_entries():
     rig.batch.schedule(computed=[70], scheduled=[1])
     md = attn_metadata(rig.batch, 1, 1)
     rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
-    slot = rt.slots.of_region[20]
+    slot = rt.slots.of_region(20)
     written_g = 6 * B + 70 - B
     for group in rt.groups:
         group.dgi[slot, :3] = torch.tensor([9 * B + 1, written_g, 5 * B + 7])

@@ -40,6 +40,7 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
+from vllm.utils.mem_constants import MiB_bytes as MiB
 from vllm.v1.hisparse.config_checks import GiB, HiSparseConfigError
 from vllm.v1.hisparse.layout import HiSparseLayout
 
@@ -48,12 +49,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-MiB = 1 << 20
-
-INT16 = 2
-INT32 = 4
-INT64 = 8
-UINT64 = 8
+# Element sizes of the dtypes the worker allocates its buffers with.
+INT16 = torch.int16.itemsize
+INT32 = torch.int32.itemsize
+INT64 = torch.int64.itemsize
+UINT64 = torch.uint64.itemsize
 STATS_COUNTERS = 4
 """hits, misses, tripped misses, rejected rows (runtime.build_index_groups)."""
 

@@ -204,12 +204,11 @@ class RuntimeGeometry:
 @dataclass
 class SlotAllocator:
     """Request-state slots, one per live hot region (the worker owns them,
-    2.8): by region (its first block, how the scheduler names it) and by the
-    region's request (how a batch row finds it, F22)."""
+    2.8), kept by the region's request (how a batch row finds it, F22); the
+    region (its first block, how the scheduler names it) names the request."""
 
     num_slots: int
     free: list[int] = field(default_factory=list)
-    of_region: dict[int, int] = field(default_factory=dict)
     of_request: dict[str, int] = field(default_factory=dict)
     request_of_region: dict[int, str] = field(default_factory=dict)
 
@@ -217,7 +216,7 @@ class SlotAllocator:
         self.free = list(range(self.num_slots - 1, -1, -1))
 
     def assign(self, region: int, request_id: str) -> int:
-        if region in self.of_region:
+        if region in self.request_of_region:
             raise RuntimeError(
                 f"HiSparse: hot region {region} was allocated twice without a free"
             )
@@ -232,21 +231,26 @@ class SlotAllocator:
                 "are live"
             )
         slot = self.free.pop()
-        self.of_region[region] = slot
         self.of_request[request_id] = slot
         self.request_of_region[region] = request_id
         return slot
 
     def release(self, region: int) -> int | None:
-        slot = self.of_region.pop(region, None)
-        if slot is not None:
-            self.free.append(slot)
-            del self.of_request[self.request_of_region.pop(region)]
+        request_id = self.request_of_region.pop(region, None)
+        if request_id is None:
+            return None
+        slot = self.of_request.pop(request_id)
+        self.free.append(slot)
         return slot
+
+    def of_region(self, region: int) -> int | None:
+        """The slot of the region starting at block ``region``, if live."""
+        request_id = self.request_of_region.get(region)
+        return None if request_id is None else self.of_request[request_id]
 
     @property
     def num_live(self) -> int:
-        return len(self.of_region)
+        return len(self.of_request)
 
 
 class HiSparseRuntime:

@@ -112,9 +112,10 @@ def test_hisparse_off_is_vllm(model_dir):
 STAGING = 8192 // 64 + 8192 // 64
 
 
-def reserve_at(vllm_config, num_blocks, max_model_len=8192):
-    """HiSparse's GPU bytes beside a pool of ``num_blocks`` (L17; the sizes
-    themselves are tested against real allocations in tests/hisparse/memory)."""
+def reserve_at(vllm_config, max_model_len=8192):
+    """HiSparse's GPU bytes beside the pool, whatever its size (L17; the
+    sizes themselves are tested against real allocations in
+    tests/hisparse/memory)."""
     layout = build_hisparse_layout(
         model_specs(), HiSparseParams.from_vllm_config(vllm_config))
     return hisparse_gpu_reserve(
@@ -123,7 +124,7 @@ def reserve_at(vllm_config, num_blocks, max_model_len=8192):
 
 def budget_for(vllm_config, num_blocks, max_model_len=8192):
     """The KV memory that holds exactly ``num_blocks`` pool blocks."""
-    reserve = reserve_at(vllm_config, num_blocks, max_model_len)
+    reserve = reserve_at(vllm_config, max_model_len)
     return num_blocks * BPB + reserve.total
 
 
@@ -217,7 +218,7 @@ def test_auto_fit_uses_hisparse_accounting(model_dir, plenty_of_ram):
     pages + 128 <= 400 is 40 pages."""
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0}, max_model_len=-1)
     # The worker state and block tables at 40 pages, in whole blocks.
-    rest = reserve_at(vllm_config, 400, 40 * 64)
+    rest = reserve_at(vllm_config, 40 * 64)
     rest_blocks = -(-(rest.total - rest.staging_bytes) // BPB)
     configs = get_kv_cache_configs(
         vllm_config, [model_specs()], [(400 + rest_blocks) * BPB])

@@ -93,7 +93,9 @@ def layout_of(vllm_config):
     return build_hisparse_layout(specs(), HiSparseParams.from_vllm_config(vllm_config))
 
 
-def reserve_of(vllm_config, num_blocks, max_model_len=LEN):
+def reserve_of(vllm_config, max_model_len=LEN):
+    """HiSparse's reserve for the config's limits (not a function of the
+    pool size: the same beside any number of blocks)."""
     return hisparse_gpu_reserve(layout_of(vllm_config),
                                 BatchLimits.from_vllm_config(vllm_config),
                                 max_model_len)
@@ -114,9 +116,10 @@ def test_pool_and_reserve_fit_the_available_memory(model_dir, seqs, hot, extra):
     budget = BUDGET + extra
     config = sized(vllm_config, budget)
     n = config.num_blocks
-    assert config.gpu_reserve == reserve_of(vllm_config, n)
-    assert n * BPB + config.gpu_reserve.total <= budget
-    assert (n + 1) * BPB + reserve_of(vllm_config, n + 1).total > budget
+    reserve = reserve_of(vllm_config)
+    assert config.gpu_reserve == reserve
+    assert n * BPB + reserve.total <= budget
+    assert (n + 1) * BPB + reserve.total > budget
     # Not only the staging blocks (the accounting before L17): the worker's
     # state is in too.
     staging = staging_block_count(LEN, 64, 8192)
@@ -182,7 +185,7 @@ def test_auto_fit_shortens_the_length_for_the_reserve(model_dir):
     fitted = vllm_config.model_config.max_model_len
     assert fitted < 16384
     assert config.num_blocks * BPB + config.gpu_reserve.total <= budget
-    assert config.gpu_reserve == reserve_of(vllm_config, config.num_blocks, fitted)
+    assert config.gpu_reserve == reserve_of(vllm_config, fitted)
 
 
 def test_the_reserve_is_logged_once(model_dir, logs):

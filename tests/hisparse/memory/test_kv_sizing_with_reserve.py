@@ -10,12 +10,13 @@ override whose pool and reserve exceed that memory, naming the largest that
 fits. The reserve is logged once.
 """
 
-import logging
-from collections import namedtuple
-
-import psutil
 import pytest
-from hs_layout_builders import write_sparse_mla_config
+from hs_layout_builders import (
+    capture_logs,
+    model_specs,
+    plenty_of_ram,
+    write_sparse_mla_config,
+)
 
 from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
 from vllm.config.hisparse import HiSparseConfig
@@ -28,7 +29,6 @@ from vllm.v1.hisparse.memory import (
     max_pool_blocks,
     staging_block_count,
 )
-from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 
 BPB = 64 * 656  # 4 single-layer pairs: bytes_per_block = P
 LEN = 8192
@@ -42,29 +42,16 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def plenty_of_ram(monkeypatch):
-    vm = namedtuple("vm", "available")(available=1 << 50)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm)
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
+def ram(monkeypatch):
+    """The RAM check passes on any host, in every test here."""
+    plenty_of_ram(monkeypatch)
 
 
 @pytest.fixture
 def logs():
-    handler = Records()
-    names = ("vllm.v1.hisparse.memory", "vllm.v1.hisparse.kv_cache_config")
-    for name in names:
-        logging.getLogger(name).addHandler(handler)
-    yield handler.messages
-    for name in names:
-        logging.getLogger(name).removeHandler(handler)
+    with capture_logs("vllm.v1.hisparse.memory",
+                      "vllm.v1.hisparse.kv_cache_config") as messages:
+        yield messages
 
 
 def make_config(model_dir, *, seqs=256, tokens=8192, max_model_len=LEN, hot=None,
@@ -83,14 +70,9 @@ def make_config(model_dir, *, seqs=256, tokens=8192, max_model_len=LEN, hot=None
     return vllm_config
 
 
-def specs():
-    return kv_cache_specs_from_hf_config({
-        "num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-        "index_head_dim": 128})
-
-
 def layout_of(vllm_config):
-    return build_hisparse_layout(specs(), HiSparseParams.from_vllm_config(vllm_config))
+    return build_hisparse_layout(model_specs(),
+                                 HiSparseParams.from_vllm_config(vllm_config))
 
 
 def reserve_of(vllm_config, max_model_len=LEN):
@@ -102,7 +84,7 @@ def reserve_of(vllm_config, max_model_len=LEN):
 
 
 def sized(vllm_config, budget):
-    return get_kv_cache_configs(vllm_config, [specs()], [budget])[0]
+    return get_kv_cache_configs(vllm_config, [model_specs()], [budget])[0]
 
 
 @pytest.mark.parametrize("seqs, hot, extra", [

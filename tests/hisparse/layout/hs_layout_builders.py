@@ -1,9 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Small builders for the layout tests: model configs, specs, parameters.
+"""Small builders for the layout tests: model configs, specs, parameters,
+log capture and a host with plenty of RAM (tests/hisparse/memory uses them
+too).
 
 A uniquely named module (not conftest.py) so that test files can import it.
 """
+
+import logging
+from collections import namedtuple
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psutil
 
 from vllm.v1.hisparse.layout import HiSparseParams
 from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
@@ -35,6 +44,11 @@ def specs(
         kv_cache_dtype=kv_cache_dtype,
         num_mtp_layers=num_mtp,
     )
+
+
+def model_specs():
+    """The specs of ``write_sparse_mla_config``'s default 4-layer model."""
+    return specs(4)
 
 
 def params(**overrides) -> HiSparseParams:
@@ -96,3 +110,32 @@ def write_sparse_mla_config(directory, num_layers: int = 4, **extra) -> str:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
     return str(directory)
+
+
+def plenty_of_ram(monkeypatch) -> None:
+    """The 95% RAM check reads psutil (R1); make it independent of the host."""
+    vm = namedtuple("vm", "available")(available=1 << 50)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def capture_logs(*names: str) -> Iterator[list[str]]:
+    """The messages logged to the loggers ``names`` while inside."""
+    handler = _Records()
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

@@ -8,13 +8,11 @@ override, auto-fit, memory check on the 3.5 accounting, config build, the
 capacity and the spec 6.4 log lines); with it unset they are vLLM's.
 """
 
-import logging
 import pickle
-from collections import namedtuple
 
-import psutil
+import hs_layout_builders
 import pytest
-from hs_layout_builders import GiB, write_sparse_mla_config
+from hs_layout_builders import GiB, capture_logs, model_specs, write_sparse_mla_config
 
 from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
 from vllm.config.hisparse import HiSparseConfig
@@ -31,7 +29,6 @@ from vllm.v1.hisparse.specs import (
     HiSparseHotSpec,
     HiSparseResidentSpec,
     HiSparseSourceSpec,
-    kv_cache_specs_from_hf_config,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec
 
@@ -48,9 +45,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def plenty_of_ram(monkeypatch):
-    """The 95% RAM check reads psutil (R1); make it independent of the host."""
-    vm = namedtuple("vm", "available")(available=1 << 50)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm)
+    hs_layout_builders.plenty_of_ram(monkeypatch)
 
 
 def make_config(model_dir, hisparse: dict | None, max_model_len=8192, **cache):
@@ -72,33 +67,10 @@ def make_config(model_dir, hisparse: dict | None, max_model_len=8192, **cache):
     return vllm_config
 
 
-def model_specs():
-    return kv_cache_specs_from_hf_config(
-        {
-            "num_hidden_layers": 4,
-            "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64,
-            "index_head_dim": 128,
-        }
-    )
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
 def layout_log():
-    handler = Records()
-    logger = logging.getLogger("vllm.v1.hisparse.capacity")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
+    with capture_logs("vllm.v1.hisparse.capacity") as messages:
+        yield messages
 
 
 def test_hisparse_off_is_vllm(model_dir):
@@ -112,9 +84,10 @@ def test_hisparse_off_is_vllm(model_dir):
 STAGING = 8192 // 64 + 8192 // 64
 
 
-def reserve_at(vllm_config, num_blocks, max_model_len=8192):
-    """HiSparse's GPU bytes beside a pool of ``num_blocks`` (L17; the sizes
-    themselves are tested against real allocations in tests/hisparse/memory)."""
+def reserve_at(vllm_config, max_model_len=8192):
+    """HiSparse's GPU bytes beside the pool, whatever its size (L17; the
+    sizes themselves are tested against real allocations in
+    tests/hisparse/memory)."""
     layout = build_hisparse_layout(
         model_specs(), HiSparseParams.from_vllm_config(vllm_config))
     return hisparse_gpu_reserve(
@@ -123,7 +96,7 @@ def reserve_at(vllm_config, num_blocks, max_model_len=8192):
 
 def budget_for(vllm_config, num_blocks, max_model_len=8192):
     """The KV memory that holds exactly ``num_blocks`` pool blocks."""
-    reserve = reserve_at(vllm_config, num_blocks, max_model_len)
+    reserve = reserve_at(vllm_config, max_model_len)
     return num_blocks * BPB + reserve.total
 
 
@@ -217,7 +190,7 @@ def test_auto_fit_uses_hisparse_accounting(model_dir, plenty_of_ram):
     pages + 128 <= 400 is 40 pages."""
     vllm_config = make_config(model_dir, {"host_pool_gib": 1.0}, max_model_len=-1)
     # The worker state and block tables at 40 pages, in whole blocks.
-    rest = reserve_at(vllm_config, 400, 40 * 64)
+    rest = reserve_at(vllm_config, 40 * 64)
     rest_blocks = -(-(rest.total - rest.staging_bytes) // BPB)
     configs = get_kv_cache_configs(
         vllm_config, [model_specs()], [(400 + rest_blocks) * BPB])

@@ -26,21 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metrics import (
     HiSparseConnectorStats,
 )
 from vllm.v1.hisparse import metrics as m
-from vllm.v1.hisparse import reference
-from vllm.v1.hisparse.binding import make_runtime
 from vllm.v1.hisparse.constants import STATS_INTERVAL_STEPS
-from vllm.v1.hisparse.metadata import HiSparseStepMetadata
 from vllm.v1.hisparse.metrics import DeviceCounterSampler
-from vllm.v1.hisparse.worker import HiSparseWorker, StreamOps
-from worker_harness import (
-    W,
-    Batch,
-    ReferenceOps,
-    attn_metadata,
-    fill_pattern,
-    host_pool,
-    tiny_config,
-)
+from vllm.v1.hisparse.worker import StreamOps
+from worker_harness import W, WorkerRig, attn_metadata, fill_pattern
 
 
 class GatedStreams(StreamOps):
@@ -55,40 +44,19 @@ class GatedStreams(StreamOps):
         return event.recorded and (self.done or event.name != "hisparse_stats")
 
 
-class Rig:
-    """A worker over a CPU slab and host pool; one request at batch row 0."""
+class Rig(WorkerRig):
+    """A WorkerRig with one request at batch row 0, decoding."""
 
     def __init__(self, *, freq: int = 1, staging_blocks: int = 0, streams=None):
-        self.config = tiny_config(freq=freq, staging_blocks=staging_blocks)
-        self.layout = self.config.layout
-        self.slab = torch.zeros(
-            (self.config.num_blocks + staging_blocks) * self.layout.bytes_per_block,
-            dtype=torch.uint8)
-        self.pool = host_pool(self.config)
-        self.batch = Batch(len(self.layout.kv_cache_groups))
-        self.rt = make_runtime(self.config, self.slab, self.pool, self.batch,
-                               ReferenceOps, max_num_seqs=8, max_num_tokens=512)
-        self.worker = HiSparseWorker(
-            self.rt, self.pool, slab=self.slab, rank=0, eager_host_mirror=True,
-            page_copy=reference.ref_copy_descriptors, streams=streams)
-        self.meta_step = 0
+        super().__init__(freq=freq, staging_blocks=staging_blocks, streams=streams)
         self.topk_seed = 0
 
-    def place(self, resident: list[int], host: list[int], hot: list[int] | None = None):
-        """Row 0: resident block b of pair j is 50*j + b (0 = null)."""
-        for j, gid in enumerate(self.layout.resident_group_ids):
-            self.batch.set_row(0, gid, [b and 50 * j + b for b in resident])
-        self.batch.set_row(0, self.layout.SOURCE_GROUP_ID, host)
-        for j, gid in enumerate(self.layout.hot_group_ids):
-            self.batch.set_row(0, gid, [50 * j + b for b in hot or []])
+    def place(self, row: int, resident: list[int], host: list[int],
+              hot: list[int] | None = None) -> None:
+        """``WorkerRig.place``, and every layer's host rows filled."""
+        super().place(row, resident, host, hot)
         for name in self.layout.sparse_layers:
             fill_pattern(self.rt.layers[name].host, seed=len(name))
-
-    def meta(self, **fields) -> HiSparseStepMetadata:
-        self.meta_step += 1
-        arrays = {k: v if k == "hot_region_requests" else np.asarray(v)
-                  for k, v in fields.items()}
-        return HiSparseStepMetadata(step=self.meta_step, **arrays)
 
     def decode(self, computed: int, meta=None, positions=None) -> None:
         """One decode step of row 0: every layer's attention resolves
@@ -110,7 +78,7 @@ class Rig:
     def hybrid(self) -> None:
         """Row 0 under pressure: page 0 lost (null resident entry), read
         from host through its hot region."""
-        self.place(resident=[0, 4], host=[5, 6], hot=[20, 21])
+        self.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])
         self.decode(100, self.meta(hot_regions_allocated=np.array([20]),
                                    hot_region_requests=["r0"]), positions=[])
 
@@ -260,7 +228,7 @@ def test_gauges_live_hot_regions_and_the_staging_peak():
     used by a short chunk on the decode kernel (K13), the maximum since the
     previous copy, then 0 once read."""
     rig = Rig(staging_blocks=4)
-    rig.place(resident=[0, 4], host=[5, 6])
+    rig.place(0, resident=[0, 4], host=[5, 6])
     rig.batch.schedule(computed=[97], scheduled=[3])
     rig.worker.start_step(rig.meta(), attn_metadata(rig.batch, 1, 3))
     rig.rt.plan_extends(1)
@@ -281,7 +249,7 @@ def test_nothing_moves_without_pressure():
     """E2E-8 on CPU: every page resident, so the resolver short-circuits:
     no lookups, no H2D bytes, no hot region."""
     rig = Rig()
-    rig.place(resident=[3, 4], host=[5, 6])
+    rig.place(0, resident=[3, 4], host=[5, 6])
     s = sampler(rig)
     reports = []
     for i in range(5):

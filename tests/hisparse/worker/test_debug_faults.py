@@ -8,47 +8,25 @@ and the resolver then serves the corrupted bytes."""
 import numpy as np
 import pytest
 import torch
-from vllm.v1.hisparse import debug_faults, reference
-from vllm.v1.hisparse.binding import make_runtime
+from vllm.v1.hisparse import debug_faults
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata
-from vllm.v1.hisparse.worker import HiSparseWorker
-from worker_harness import B, Batch, ReferenceOps, attn_metadata, fill_pattern, host_pool, tiny_config
+from worker_harness import B, WorkerRig, attn_metadata, fill_pattern
 
 
-class FaultRig:
-    """A CPU worker over batch row 0 (host blocks 5, 6 by default)."""
+class FaultRig(WorkerRig):
+    """A CPU worker over batch row 0, every layer's host rows filled."""
 
     def __init__(self) -> None:
-        self.config = tiny_config()
-        layout = self.layout = self.config.layout
-        self.slab = torch.zeros(self.config.num_blocks * layout.bytes_per_block,
-                                dtype=torch.uint8)
-        self.pool = host_pool(self.config)
-        self.batch = Batch(len(layout.kv_cache_groups))
-        self.rt = make_runtime(self.config, self.slab, self.pool, self.batch,
-                               ReferenceOps, max_num_seqs=8, max_num_tokens=512)
-        self.worker = HiSparseWorker(self.rt, self.pool, slab=self.slab, rank=0,
-                                     eager_host_mirror=True,
-                                     page_copy=reference.ref_copy_descriptors)
-        self.step = 0
+        super().__init__()
         for name, lv in self.rt.layers.items():
             fill_pattern(lv.host, seed=len(name) + lv.pair)
 
-    def place(self, resident: list[int], hot: list[int] | None = None,
-              host: tuple[int, ...] = (5, 6)) -> None:
-        for j, gid in enumerate(self.layout.resident_group_ids):
-            self.batch.set_row(0, gid, [b and 50 * j + b for b in resident])
-        self.batch.set_row(0, self.layout.SOURCE_GROUP_ID, list(host))
-        for j, gid in enumerate(self.layout.hot_group_ids):
-            self.batch.set_row(0, gid, [50 * j + b for b in hot or []])
-
-    def run(self, computed: int, scheduled: int, finish: bool = True, **meta):
-        self.step += 1
+    def decode(self, computed: int, scheduled: int, finish: bool = True, **meta):
+        """A step of row 0 (one decode request), ``meta`` its metadata
+        fields; without ``finish`` the forward is left open."""
         self.batch.schedule(computed=[computed], scheduled=[scheduled])
-        fields = {k: v if k == "hot_region_requests" else np.asarray(v)
-                  for k, v in meta.items()}
         md = attn_metadata(self.batch, 1, 1)
-        self.worker.start_step(HiSparseStepMetadata(step=self.step, **fields), md)
+        self.worker.start_step(self.meta(**meta), md)
         if finish:
             self.worker.finish_forward()
         return md
@@ -76,14 +54,14 @@ def test_off_unless_enabled_at_startup(monkeypatch):
 
 def test_fires_once_on_the_host_only_page_of_every_layer(faults_on):
     rig = FaultRig()
-    rig.place(resident=[3, 4])
-    rig.run(computed=100, scheduled=1)  # all resident: a step to synchronize
+    rig.place(0, resident=[3, 4], host=[5, 6])
+    rig.decode(computed=100, scheduled=1)  # all resident: a step to synchronize
     before = rig.host()
     debug_faults.arm_host_row_fault()
-    rig.place(resident=[0, 4])  # page 0 lost: host block 5 is host-only
+    rig.place(0, resident=[0, 4], host=[5, 6])  # page 0 lost: host block 5 is host-only
     log = rig.worker.streams.log
     start = len(log)
-    rig.run(computed=101, scheduled=1)
+    rig.decode(computed=101, scheduled=1)
     status = debug_faults.fault_status()
     assert status["fired"] == 1 and not status["armed"]
     assert status["last"] == {"row": 0, "page": 0, "host_block": 5}
@@ -97,7 +75,7 @@ def test_fires_once_on_the_host_only_page_of_every_layer(faults_on):
         # block 6 holds this step's mirrored row; every other block is untouched
         assert torch.equal(new[:5 * B], old[:5 * B]) and torch.equal(new[7 * B:], old[7 * B:])
     after = rig.host()
-    rig.run(computed=102, scheduled=1)  # one shot
+    rig.decode(computed=102, scheduled=1)  # one shot
     assert all(torch.equal(after[n][page], lv.host[page]) for n, lv in rig.rt.layers.items())
     assert debug_faults.fault_status()["fired"] == 1
 
@@ -107,16 +85,16 @@ def test_waits_armed_until_a_host_only_page_is_in_the_batch(faults_on):
     does not count): nothing fires, nor in a step without a forward; it
     fires once a context page is host-only."""
     rig = FaultRig()
-    rig.place(resident=[3, 4, 0], host=(5, 6, 7))
+    rig.place(0, resident=[3, 4, 0], host=[5, 6, 7])
     debug_faults.arm_host_row_fault()
     before = rig.host()
-    rig.run(computed=100, scheduled=1)
-    rig.place(resident=[0, 4])
+    rig.decode(computed=100, scheduled=1)
+    rig.place(0, resident=[0, 4], host=[5, 6])
     rig.worker.start_step(HiSparseStepMetadata(step=99), None)
     page = slice(5 * B, 6 * B)
     assert all(torch.equal(before[n][page], lv.host[page]) for n, lv in rig.rt.layers.items())
     assert debug_faults.fault_status()["armed"]
-    rig.run(computed=101, scheduled=1)
+    rig.decode(computed=101, scheduled=1)
     assert debug_faults.fault_status()["fired"] == 1
 
 
@@ -125,11 +103,11 @@ def test_the_resolver_serves_the_corrupted_rows(faults_on):
     gathers the flipped bytes into the hot slot that attention reads."""
     rig = FaultRig()
     rt, name = rig.rt, rig.layout.sparse_layers[0]
-    rig.place(resident=[0, 4], hot=[20, 21])
+    rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])
     original = rt.layers[name].host[5 * B + 2].clone()
     debug_faults.arm_host_row_fault()
-    md = rig.run(computed=100, scheduled=1, finish=False,
-                 hot_regions_allocated=np.array([20]), hot_region_requests=["r0"])
+    md = rig.decode(computed=100, scheduled=1, finish=False,
+                    hot_regions_allocated=np.array([20]), hot_region_requests=["r0"])
     topk = torch.full((1, 64), -1, dtype=torch.int32)
     topk[0, 0] = 2  # position 2: page 0, host block 5
     rows, _ = rt.decode_rows(name, 1, topk, md.seq_lens, md.block_table)

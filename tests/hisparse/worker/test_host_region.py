@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_worker import Rig, fill_slab
+from test_worker import fill_slab
 from tp_harness import (
     in_child,
     mapped_regions,
@@ -27,12 +27,10 @@ from tp_harness import (
     run_ranks,
     shm_directory,
 )
-from worker_harness import B, W, Batch, RecordingRegistrar, ReferenceOps, tiny_config
+from worker_harness import B, W, RecordingRegistrar, WorkerRig, tiny_config
 
 from vllm.v1.hisparse import config_checks as cc
 from vllm.v1.hisparse import host_pool as hp
-from vllm.v1.hisparse import reference
-from vllm.v1.hisparse.binding import make_runtime
 from vllm.v1.hisparse.config_checks import HiSparseConfigError
 from vllm.v1.hisparse.host_region import (
     CONTROL_BYTES,
@@ -41,7 +39,7 @@ from vllm.v1.hisparse.host_region import (
     sweep_stale,
 )
 from vllm.v1.hisparse.tp_shared import HostSharing, ReaderHostWriteEvents, WriterLink
-from vllm.v1.hisparse.worker import HiSparseWorker, HostWriteEvents, StreamOps
+from vllm.v1.hisparse.worker import HostWriteEvents, StreamOps
 
 
 @pytest.fixture
@@ -270,22 +268,13 @@ def test_sweep_removes_only_old_names_of_dead_creators(shm_dir):
 # ---------------------------------------------------- writer and readers
 
 
-class SharedRig(Rig):
-    """``Rig`` over this rank's view of a shared pool (its own slab)."""
+class SharedRig(WorkerRig):
+    """``WorkerRig`` over this rank's view of a shared pool (its own slab)."""
 
     def __init__(self, rdv, directory):
-        self.config = tiny_config(shared=True)
-        self.layout = self.config.layout
-        self.slab = torch.zeros(self.config.num_blocks * self.layout.bytes_per_block,
-                                dtype=torch.uint8)
-        self.pool = open_pool(rdv, directory, self.config.host_pool)
-        self.batch = Batch(len(self.layout.kv_cache_groups))
-        self.rt = make_runtime(self.config, self.slab, self.pool, self.batch,
-                               ReferenceOps, max_num_seqs=8, max_num_tokens=512)
-        self.worker = HiSparseWorker(
-            self.rt, self.pool, slab=self.slab, rank=rdv.rank,
-            eager_host_mirror=False, page_copy=reference.ref_copy_descriptors)
-        self.step = 0
+        config = tiny_config(shared=True)
+        super().__init__(config=config, eager=False, rank=rdv.rank,
+                         pool=open_pool(rdv, directory, config.host_pool))
 
 
 def _host_page(rig, block):

@@ -23,12 +23,10 @@ import numpy as np
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams
-from vllm.v1.hisparse import reference
-from vllm.v1.hisparse.binding import RunnerBatchState, make_runtime
+from vllm.v1.hisparse.binding import RunnerBatchState
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata
-from vllm.v1.hisparse.worker import HiSparseWorker
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-from worker_harness import B, ReferenceOps, attn_metadata, fill_pattern, host_pool, tiny_config
+from worker_harness import B, WorkerRig, fill_pattern, tiny_config
 
 MAX_REQS = 8
 MAX_BLOCKS = 32
@@ -57,23 +55,18 @@ class Runner:
         self.query_start_loc = SimpleNamespace(np=np.zeros(MAX_REQS + 1, np.int32))
 
 
-class Rig:
+class Rig(WorkerRig):
+    """A WorkerRig over the runner's real ``InputBatch`` (``self.batch``),
+    read through ``RunnerBatchState``; the slab filled. Requests come in
+    through ``add`` (``place`` and ``run`` drive a harness ``Batch``)."""
+
     def __init__(self) -> None:
-        self.config = tiny_config()
-        self.layout = self.config.layout
-        self.slab = torch.zeros(self.config.num_blocks * self.layout.bytes_per_block,
-                                dtype=torch.uint8)
-        fill_pattern(self.slab, seed=3)
-        self.pool = host_pool(self.config)
-        self.runner = Runner(len(self.layout.kv_cache_groups))
+        config = tiny_config()
+        self.runner = Runner(len(config.layout.kv_cache_groups))
+        super().__init__(config=config, tables=RunnerBatchState(self.runner),
+                         max_num_seqs=MAX_REQS)
         self.batch = self.runner.input_batch
-        self.rt = make_runtime(self.config, self.slab, self.pool,
-                               RunnerBatchState(self.runner), ReferenceOps,
-                               max_num_seqs=MAX_REQS, max_num_tokens=512)
-        self.worker = HiSparseWorker(self.rt, self.pool, slab=self.slab, rank=0,
-                                     eager_host_mirror=True,
-                                     page_copy=reference.ref_copy_descriptors)
-        self.step = 0
+        fill_pattern(self.slab, seed=3)
         self.seq_len = 100  # two pages per request
 
     def add(self, req_id: str, first: int, hot: list[int]) -> int:

@@ -10,97 +10,11 @@ checked against what the "forward" wrote.
 import numpy as np
 import pytest
 import torch
-from vllm.v1.hisparse import reference
-from vllm.v1.hisparse.binding import make_runtime
-from vllm.v1.hisparse.metadata import HiSparseStepMetadata
-from vllm.v1.hisparse.worker import HiSparseWorker, reused_blocks_this_step
-from worker_harness import (
-    B,
-    Batch,
-    ReferenceOps,
-    attn_metadata,
-    fill_pattern,
-    host_pool,
-    tiny_config,
-)
+from vllm.v1.hisparse.worker import reused_blocks_this_step
+from worker_harness import B, ReferenceOps, WorkerRig, attn_metadata, fill_pattern
 
 
-class Rig:
-    """A worker over a CPU slab, a host pool and a batch."""
-
-    def __init__(self, *, freq: int = 1, eager: bool = True, topk: int = 64,
-                 staging_blocks: int = 0):
-        self.config = tiny_config(freq=freq, index_topk=topk,
-                                  staging_blocks=staging_blocks)
-        self.layout = self.config.layout
-        self.slab = torch.zeros(
-            (self.config.num_blocks + staging_blocks) * self.layout.bytes_per_block,
-            dtype=torch.uint8,
-        )
-        self.pool = host_pool(self.config)
-        self.batch = Batch(len(self.layout.kv_cache_groups))
-        self.rt = make_runtime(
-            self.config, self.slab, self.pool, self.batch, ReferenceOps,
-            max_num_seqs=8, max_num_tokens=512,
-        )
-        self.worker = HiSparseWorker(
-            self.rt, self.pool, slab=self.slab, rank=0, eager_host_mirror=eager,
-            page_copy=reference.ref_copy_descriptors,
-        )
-        self.step = 0
-
-    @property
-    def res_ids(self):
-        return list(self.layout.resident_group_ids)
-
-    @property
-    def hot_ids(self):
-        return list(self.layout.hot_group_ids)
-
-    def place(self, row: int, resident: list[int], host: list[int],
-              hot: list[int] | None = None) -> None:
-        """Row ``row``'s tables: resident block b of pair j is 50*j + b
-        (0 stays null), host blocks as given, hot region blocks (+50*j)."""
-        for j, gid in enumerate(self.res_ids):
-            self.batch.set_row(row, gid, [b and 50 * j + b for b in resident])
-        self.batch.set_row(row, self.layout.SOURCE_GROUP_ID, host)
-        for j, gid in enumerate(self.hot_ids):
-            self.batch.set_row(row, gid, [50 * j + b for b in hot or []])
-
-    def meta(self, **fields) -> HiSparseStepMetadata:
-        self.step += 1
-        arrays = {k: v if k == "hot_region_requests" else np.asarray(v)
-                  for k, v in fields.items()}
-        return HiSparseStepMetadata(step=self.step, **arrays)
-
-    def spill(self, tid: int, host_block: int, resident_block: int,
-              restore: bool = False) -> dict:
-        g = len(self.res_ids)
-        return dict(
-            transfer_ids=np.array([tid], dtype=np.int64),
-            transfer_host_blocks=np.array([host_block], dtype=np.int32),
-            transfer_resident_blocks=np.array(
-                [[50 * j + resident_block for j in range(g)]], dtype=np.int32),
-            transfer_restore=np.array([restore]),
-        )
-
-    def run(self, meta, num_decodes: int = 0, num_decode_tokens: int = 0,
-            before_finish=None) -> None:
-        md = attn_metadata(self.batch, num_decodes, num_decode_tokens)
-        self.worker.start_step(meta, md)
-        if before_finish is not None:
-            before_finish()
-        self.worker.finish_forward()
-
-    def resident_row(self, layer: str, row: int) -> torch.Tensor:
-        view = self.rt.layers[layer].resident
-        return view[row // B, row % B]
-
-    def host_row(self, layer: str, g: int) -> torch.Tensor:
-        return self.rt.layers[layer].host[g]
-
-
-def written_rows(rig: Rig, row: int, positions, pair: int):
+def written_rows(rig: WorkerRig, row: int, positions, pair: int):
     """(resident physical row, host row) of each position of batch row."""
     res = rig.batch.tables[rig.res_ids[pair]].numpy()[row]
     src = rig.batch.tables[rig.layout.SOURCE_GROUP_ID].numpy()[row]
@@ -108,7 +22,7 @@ def written_rows(rig: Rig, row: int, positions, pair: int):
             for p in positions]
 
 
-def fill_slab(rig: Rig, seed: int = 0) -> None:
+def fill_slab(rig: WorkerRig, seed: int = 0) -> None:
     fill_pattern(rig.slab, seed)
 
 
@@ -119,7 +33,7 @@ def test_mirror_copies_exactly_the_rows_written_this_step():
     """W-1/W-2, INV-25: every row the forward wrote (positions 60..67, across
     a page boundary) reaches its host row in every layer; no other host row
     is touched."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3, 4], host=[5, 6])
     rig.batch.schedule(computed=[60], scheduled=[8])
     fill_slab(rig)
@@ -140,7 +54,7 @@ def test_a_decode_step_mirrors_every_group_in_one_launch():
     ready event and one copy_descriptors launch, not one of each per group;
     the bytes are those of the per-group submissions. A prefill step still
     submits per group as each group's last layer is written."""
-    rig = Rig()
+    rig = WorkerRig()
     calls = []
     copy = rig.rt.ops.copy_descriptors
 
@@ -181,7 +95,7 @@ def test_a_decode_step_mirrors_every_group_in_one_launch():
 def test_lazy_mode_mirrors_prefill_rows_only():
     """Spec 4.10 with eager_host_mirror=false: decode rows are not mirrored,
     prefill rows always are."""
-    rig = Rig(eager=False)
+    rig = WorkerRig(eager=False)
     rig.place(0, resident=[3], host=[5])
     rig.place(1, resident=[7, 8], host=[9, 10])
     rig.batch.schedule(computed=[10, 0], scheduled=[1, 70])
@@ -196,7 +110,7 @@ def test_lazy_mode_mirrors_prefill_rows_only():
 
 def test_padding_tokens_are_never_mirrored():
     """Slot -1 (padding) produces no copy (F13)."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[0], scheduled=[4])
     for slots in rig.batch.slots:
@@ -215,7 +129,7 @@ def test_eager_spill_is_a_completion_barrier_acked_with_its_step():
     """W-3, 4.3, F17: eager mode copies nothing for a spill; the ack names
     it enqueued and completed with the step after whose forward it was
     submitted, and repeats the completion until the scheduler retires it."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3, 4], host=[5, 6])
     rig.batch.schedule(computed=[127], scheduled=[1])
     fill_slab(rig)
@@ -238,7 +152,7 @@ def test_eager_spill_is_a_completion_barrier_acked_with_its_step():
 
 def test_lazy_spill_copies_the_whole_page_of_every_layer():
     """W-3 lazy mode: the page of every layer, resident block -> host block."""
-    rig = Rig(eager=False)
+    rig = WorkerRig(eager=False)
     rig.place(0, resident=[3, 4], host=[5, 6])
     rig.batch.schedule(computed=[127], scheduled=[1])
     fill_slab(rig)
@@ -254,7 +168,7 @@ def test_restore_copies_the_host_page_of_every_layer_before_the_forward():
     """W-14, 4.13 step 4: a restore copies the host page into the page's
     resident block of every layer in start_step (before the forward reads
     it), on the compute stream, and is acked with its step."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[64], scheduled=[1])
     for name, lv in rig.rt.layers.items():
@@ -277,7 +191,7 @@ def test_restore_copies_the_host_page_of_every_layer_before_the_forward():
 def test_zero_token_step_submits_transfers_and_replays_no_mirror():
     """W-8, INV-15: a step without a forward submits its transfers and acks
     them; it never re-runs the previous step's mirror descriptors."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[0], scheduled=[4])
     fill_slab(rig, seed=1)
@@ -298,7 +212,7 @@ def test_zero_token_step_submits_transfers_and_replays_no_mirror():
 def test_host_write_events_alternate_and_compute_waits_on_the_previous():
     """W-5, INV-27: each step start makes compute wait on the previous
     step's host-write event; the two events alternate."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     log = rig.worker.streams.log
     for _ in range(3):
@@ -313,7 +227,7 @@ def test_host_write_events_alternate_and_compute_waits_on_the_previous():
 def test_copy_on_write_synchronizes_then_copies_every_layer():
     """W-5/W-13, 4.12: a CoW pair copies the host page of every layer after
     a CPU wait on the previous host-write event; its ack is the destination."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[0], scheduled=[1])
     rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
@@ -336,7 +250,7 @@ def test_copy_on_write_synchronizes_then_copies_every_layer():
 def test_per_layer_submission_mirrors_a_group_once_its_layers_wrote():
     """W-4, 4.10: in a prefill batch each resident group's mirror is
     submitted after its last layer's KV write; the rest at finish."""
-    rig = Rig(freq=2)  # pairs: [l0], [l1, l2], [l3]
+    rig = WorkerRig(freq=2)  # pairs: [l0], [l1, l2], [l3]
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[0], scheduled=[16])
     fill_slab(rig)
@@ -357,7 +271,7 @@ def test_per_layer_submission_mirrors_a_group_once_its_layers_wrote():
 
 
 def test_partial_group_submission_is_rejected():
-    rig = Rig(freq=2)
+    rig = WorkerRig(freq=2)
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[0], scheduled=[16])
     rig.worker.start_step(rig.meta(), attn_metadata(rig.batch, 0, 0))
@@ -367,7 +281,7 @@ def test_partial_group_submission_is_rejected():
 
 
 def test_pure_decode_batches_submit_at_finish_only():
-    rig = Rig(freq=2)
+    rig = WorkerRig(freq=2)
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[5], scheduled=[1])
     fill_slab(rig)
@@ -388,7 +302,7 @@ def test_request_state_follows_hot_regions_and_padding_is_minus_one():
     req_state maps each real row to its slot (the shared resident-only slot
     without a region, -1 for padding rows); row_req is -1 past the real
     tokens; a freed region's slot is released."""
-    rig = Rig()
+    rig = WorkerRig()
     rt = rig.rt
     rig.place(0, resident=[3], host=[5], hot=[20, 21])
     rig.place(1, resident=[7], host=[9])
@@ -419,7 +333,7 @@ def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
     host-only (null resident entry) and page 1 resident. The leader's rows
     for page 1 are resident rows; for page 0, hot slots filled from the host
     rows; the follower replays the plan into its own hot rows (INV-11)."""
-    rig = Rig(freq=2)  # index group of l1 leads l2 (pair 1)
+    rig = WorkerRig(freq=2)  # index group of l1 leads l2 (pair 1)
     rt, layers = rig.rt, rig.layout.sparse_layers
     rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])
     for name in layers:
@@ -456,7 +370,7 @@ def test_short_prefill_chunks_on_the_decode_kernel_read_staged_host_pages():
     resident page resolves to the resident row, its host-only page to a
     staging block past the pool holding the host bytes; invalid positions
     are -1; no hot state is used."""
-    rig = Rig(staging_blocks=4)
+    rig = WorkerRig(staging_blocks=4)
     rt, layer = rig.rt, rig.layout.sparse_layers[0]
     rig.place(0, resident=[0, 4], host=[5, 6])
     fill_pattern(rt.layers[layer].host[5 * B:6 * B], seed=5)
@@ -478,7 +392,7 @@ def test_short_prefill_chunks_on_the_decode_kernel_read_staged_host_pages():
 
 
 def test_follower_without_its_leaders_plan_is_an_error():
-    rig = Rig(freq=2)
+    rig = WorkerRig(freq=2)
     rig.place(0, resident=[3], host=[5], hot=[20, 21])
     rig.batch.schedule(computed=[10], scheduled=[1])
     md = attn_metadata(rig.batch, 1, 1)
@@ -492,7 +406,7 @@ def test_follower_without_its_leaders_plan_is_an_error():
 def test_all_resident_requests_touch_no_hot_state():
     """E2E-8 on CPU, INV-34: without null pages every entry resolves to its
     resident row, no slot exists and nothing is loaded."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3, 4], host=[5, 6])
     rig.batch.schedule(computed=[100], scheduled=[1])
     md = attn_metadata(rig.batch, 1, 1)
@@ -515,7 +429,7 @@ def test_rewritten_rows_drop_hot_entries():
     """4.8 trigger 3 (INV-41): after the forward, entries keyed by host rows
     this forward wrote are -1; others stay. (No trigger-2 pass over
     reallocated host blocks: docs/worker.md K27.)"""
-    rig = Rig()
+    rig = WorkerRig()
     rt = rig.rt
     rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
     rig.batch.schedule(computed=[70], scheduled=[1])
@@ -532,7 +446,7 @@ def test_rewritten_rows_drop_hot_entries():
 
 def test_reused_blocks_are_published_for_the_offloader():
     """F16: the step's reused GPU blocks reach the HiSparse-aware offloader."""
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[0], scheduled=[1])
     rig.worker.start_step(rig.meta(reused_block_ids=np.array([42, 43])),
@@ -548,7 +462,7 @@ def test_mirror_audit_checks_every_written_row(monkeypatch):
     """Spec 6.1 / F1: with VLLM_HISPARSE_DEBUG=1 the next step compares every
     host row written last step with its resident row, in every layer."""
     monkeypatch.setenv("VLLM_HISPARSE_DEBUG", "1")
-    rig = Rig()
+    rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[0], scheduled=[8])
     fill_slab(rig)
@@ -565,7 +479,7 @@ def test_mirror_audit_checks_every_written_row(monkeypatch):
 
 def test_workspace_overflow_is_an_error():
     """F12: more decode rows than the workspace holds fail loudly."""
-    rig = Rig()
+    rig = WorkerRig()
     topk = torch.full((9, 64), -1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="exceed the resolver workspace"):
         rig.rt.decode_rows(rig.layout.sparse_layers[0], 9, topk,

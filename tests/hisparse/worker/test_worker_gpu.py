@@ -6,12 +6,10 @@ same steps on CPU (reference kernels). Skips without CUDA or the kernels."""
 import numpy as np
 import pytest
 import torch
-from test_worker import Rig, written_rows
-from worker_harness import B, Batch, attn_metadata, fill_pattern, tiny_config
+from test_worker import written_rows
+from worker_harness import B, WorkerRig, attn_metadata, fill_pattern, tiny_config
 
-from vllm.v1.hisparse.binding import make_runtime
 from vllm.v1.hisparse.host_pool import HostPool
-from vllm.v1.hisparse.worker import HiSparseWorker
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +23,13 @@ def kernels():
     return kernels
 
 
-class CudaRig(Rig):
-    """Rig on CUDA: GPU slab and tables, real ops, real streams."""
+class CudaRig(WorkerRig):
+    """WorkerRig on CUDA: GPU slab and tables, real ops, real streams."""
 
     def __init__(self, kernels, *, freq: int = 1, eager: bool = True):
-        self.config = tiny_config(freq=freq)
-        self.layout = self.config.layout
-        self.slab = torch.zeros(self.config.num_blocks * self.layout.bytes_per_block,
-                                dtype=torch.uint8, device="cuda")
-        self.pool = HostPool(self.config.host_pool)
-        self.batch = Batch(len(self.layout.kv_cache_groups), device="cuda")
-        self.rt = make_runtime(self.config, self.slab, self.pool, self.batch, kernels,
-                               max_num_seqs=8, max_num_tokens=512)
-        self.worker = HiSparseWorker(self.rt, self.pool, slab=self.slab, rank=0,
-                                     eager_host_mirror=eager)
-        self.step = 0
+        config = tiny_config(freq=freq)
+        super().__init__(config=config, eager=eager, device="cuda", ops=kernels,
+                         pool=HostPool(config.host_pool), page_copy=None)
 
     def run(self, meta, num_decodes=0, num_decode_tokens=0, before_finish=None):
         self.batch.commit()
@@ -74,7 +64,7 @@ def test_decode_rows_match_the_cpu_reference(kernels):
     """C7 on the H200 equals the same step on the CPU references: rows,
     plan, hot bytes, dgi/lru (T2 through the runtime)."""
     results = []
-    for rig in (Rig(freq=2), CudaRig(kernels, freq=2)):
+    for rig in (WorkerRig(freq=2), CudaRig(kernels, freq=2)):
         rt, layers = rig.rt, rig.layout.sparse_layers
         rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])
         for i, name in enumerate(layers):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm.v1.hisparse import reference
+from vllm.v1.hisparse.binding import make_runtime
 from vllm.v1.hisparse.host_pool import HostPool, HostRegistrar
 from vllm.v1.hisparse.host_pool_plan import plan_host_pool
 from vllm.v1.hisparse.kv_cache_config import (
@@ -30,7 +31,9 @@ from vllm.v1.hisparse.kv_cache_config import (
     build_hisparse_kv_cache_config,
 )
 from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata
 from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+from vllm.v1.hisparse.worker import HiSparseWorker, StreamOps
 
 B = 64
 W = 656
@@ -246,3 +249,95 @@ def fill_pattern(view: torch.Tensor, seed: int) -> None:
     """Distinct bytes per (view, row): view[..] = f(seed, row, byte)."""
     g = torch.Generator().manual_seed(seed)
     view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=g))
+
+
+class WorkerRig:
+    """A worker over a slab, a host pool and a batch: the real runtime
+    (``make_runtime``) and data plane (``HiSparseWorker``).
+
+    By default all on CPU: ``tiny_config(freq, topk, staging_blocks)``, a
+    zeroed CPU slab (pool and staging blocks), a recorded host pool, a
+    ``Batch``, the reference ops and page copy. ``config``, ``pool``,
+    ``tables`` (what the runtime reads the batch through; ``self.batch``),
+    ``ops``, ``page_copy`` and ``device`` replace those parts; ``streams``
+    replaces the stream stand-in."""
+
+    def __init__(self, *, freq: int = 1, eager: bool = True, topk: int = 64,
+                 staging_blocks: int = 0, streams: StreamOps | None = None,
+                 config: HiSparseKVCacheConfig | None = None,
+                 pool: HostPool | None = None, tables=None, ops=ReferenceOps,
+                 page_copy=reference.ref_copy_descriptors, rank: int = 0,
+                 device: str = "cpu", max_num_seqs: int = 8,
+                 max_num_tokens: int = 512) -> None:
+        if config is None:
+            config = tiny_config(freq=freq, index_topk=topk,
+                                 staging_blocks=staging_blocks)
+        self.config = config
+        self.layout = self.config.layout
+        self.slab = torch.zeros(
+            (self.config.num_blocks + self.config.staging_blocks)
+            * self.layout.bytes_per_block, dtype=torch.uint8, device=device)
+        self.pool = host_pool(config) if pool is None else pool
+        if tables is None:
+            tables = Batch(len(self.layout.kv_cache_groups), device=device)
+        self.batch = tables
+        self.rt = make_runtime(self.config, self.slab, self.pool, self.batch, ops,
+                               max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)
+        self.worker = HiSparseWorker(
+            self.rt, self.pool, slab=self.slab, rank=rank, eager_host_mirror=eager,
+            page_copy=page_copy, streams=streams)
+        self.step = 0
+
+    @property
+    def res_ids(self):
+        return list(self.layout.resident_group_ids)
+
+    @property
+    def hot_ids(self):
+        return list(self.layout.hot_group_ids)
+
+    def place(self, row: int, resident: list[int], host: list[int],
+              hot: list[int] | None = None) -> None:
+        """Row ``row``'s tables: resident block b of pair j is 50*j + b
+        (0 stays null), host blocks as given, hot region blocks (+50*j)."""
+        for j, gid in enumerate(self.res_ids):
+            self.batch.set_row(row, gid, [b and 50 * j + b for b in resident])
+        self.batch.set_row(row, self.layout.SOURCE_GROUP_ID, host)
+        for j, gid in enumerate(self.hot_ids):
+            self.batch.set_row(row, gid, [50 * j + b for b in hot or []])
+
+    def meta(self, **fields) -> HiSparseStepMetadata:
+        """The next step's metadata (the array fields as numpy arrays)."""
+        self.step += 1
+        arrays = {k: v if k == "hot_region_requests" else np.asarray(v)
+                  for k, v in fields.items()}
+        return HiSparseStepMetadata(step=self.step, **arrays)
+
+    def spill(self, tid: int, host_block: int, resident_block: int,
+              restore: bool = False) -> dict:
+        """``meta`` fields of one transfer between ``host_block`` and
+        resident block ``resident_block`` of every pair (+50*j)."""
+        g = len(self.res_ids)
+        return dict(
+            transfer_ids=np.array([tid], dtype=np.int64),
+            transfer_host_blocks=np.array([host_block], dtype=np.int32),
+            transfer_resident_blocks=np.array(
+                [[50 * j + resident_block for j in range(g)]], dtype=np.int32),
+            transfer_restore=np.array([restore]),
+        )
+
+    def run(self, meta, num_decodes: int = 0, num_decode_tokens: int = 0,
+            before_finish=None) -> None:
+        """One step: start_step, ``before_finish`` (the forward), finish."""
+        md = attn_metadata(self.batch, num_decodes, num_decode_tokens)
+        self.worker.start_step(meta, md)
+        if before_finish is not None:
+            before_finish()
+        self.worker.finish_forward()
+
+    def resident_row(self, layer: str, row: int) -> torch.Tensor:
+        view = self.rt.layers[layer].resident
+        return view[row // B, row % B]
+
+    def host_row(self, layer: str, g: int) -> torch.Tensor:
+        return self.rt.layers[layer].host[g]

@@ -10,12 +10,13 @@ override whose pool and reserve exceed that memory, naming the largest that
 fits. The reserve is logged once.
 """
 
-import logging
-from collections import namedtuple
-
-import psutil
 import pytest
-from hs_layout_builders import write_sparse_mla_config
+from hs_layout_builders import (
+    capture_logs,
+    model_specs,
+    plenty_of_ram,
+    write_sparse_mla_config,
+)
 
 from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
 from vllm.config.hisparse import HiSparseConfig
@@ -28,7 +29,6 @@ from vllm.v1.hisparse.memory import (
     max_pool_blocks,
     staging_block_count,
 )
-from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 
 BPB = 64 * 656  # 4 single-layer pairs: bytes_per_block = P
 LEN = 8192
@@ -42,29 +42,16 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def plenty_of_ram(monkeypatch):
-    vm = namedtuple("vm", "available")(available=1 << 50)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm)
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
+def ram(monkeypatch):
+    """The RAM check passes on any host, in every test here."""
+    plenty_of_ram(monkeypatch)
 
 
 @pytest.fixture
 def logs():
-    handler = Records()
-    names = ("vllm.v1.hisparse.memory", "vllm.v1.hisparse.kv_cache_config")
-    for name in names:
-        logging.getLogger(name).addHandler(handler)
-    yield handler.messages
-    for name in names:
-        logging.getLogger(name).removeHandler(handler)
+    with capture_logs("vllm.v1.hisparse.memory",
+                      "vllm.v1.hisparse.kv_cache_config") as messages:
+        yield messages
 
 
 def make_config(model_dir, *, seqs=256, tokens=8192, max_model_len=LEN, hot=None,
@@ -83,24 +70,21 @@ def make_config(model_dir, *, seqs=256, tokens=8192, max_model_len=LEN, hot=None
     return vllm_config
 
 
-def specs():
-    return kv_cache_specs_from_hf_config({
-        "num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-        "index_head_dim": 128})
-
-
 def layout_of(vllm_config):
-    return build_hisparse_layout(specs(), HiSparseParams.from_vllm_config(vllm_config))
+    return build_hisparse_layout(model_specs(),
+                                 HiSparseParams.from_vllm_config(vllm_config))
 
 
-def reserve_of(vllm_config, num_blocks, max_model_len=LEN):
+def reserve_of(vllm_config, max_model_len=LEN):
+    """HiSparse's reserve for the config's limits (not a function of the
+    pool size: the same beside any number of blocks)."""
     return hisparse_gpu_reserve(layout_of(vllm_config),
                                 BatchLimits.from_vllm_config(vllm_config),
                                 max_model_len)
 
 
 def sized(vllm_config, budget):
-    return get_kv_cache_configs(vllm_config, [specs()], [budget])[0]
+    return get_kv_cache_configs(vllm_config, [model_specs()], [budget])[0]
 
 
 @pytest.mark.parametrize("seqs, hot, extra", [
@@ -114,9 +98,10 @@ def test_pool_and_reserve_fit_the_available_memory(model_dir, seqs, hot, extra):
     budget = BUDGET + extra
     config = sized(vllm_config, budget)
     n = config.num_blocks
-    assert config.gpu_reserve == reserve_of(vllm_config, n)
-    assert n * BPB + config.gpu_reserve.total <= budget
-    assert (n + 1) * BPB + reserve_of(vllm_config, n + 1).total > budget
+    reserve = reserve_of(vllm_config)
+    assert config.gpu_reserve == reserve
+    assert n * BPB + reserve.total <= budget
+    assert (n + 1) * BPB + reserve.total > budget
     # Not only the staging blocks (the accounting before L17): the worker's
     # state is in too.
     staging = staging_block_count(LEN, 64, 8192)
@@ -182,7 +167,7 @@ def test_auto_fit_shortens_the_length_for_the_reserve(model_dir):
     fitted = vllm_config.model_config.max_model_len
     assert fitted < 16384
     assert config.num_blocks * BPB + config.gpu_reserve.total <= budget
-    assert config.gpu_reserve == reserve_of(vllm_config, config.num_blocks, fitted)
+    assert config.gpu_reserve == reserve_of(vllm_config, fitted)
 
 
 def test_the_reserve_is_logged_once(model_dir, logs):

@@ -10,13 +10,9 @@ until the reserve counts it. The block tables are compared with vLLM's own
 ``BlockTable``.
 """
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from vllm.utils.math_utils import cdiv
-from vllm.v1.hisparse import reference
-from vllm.v1.hisparse.binding import make_runtime
 from vllm.v1.hisparse.memory import (
     BatchLimits,
     held_tensor_bytes,
@@ -26,29 +22,30 @@ from vllm.v1.hisparse.memory import (
     staging_block_count,
 )
 from vllm.v1.hisparse.staging import StagingCache
-from vllm.v1.hisparse.worker import HiSparseWorker
 from vllm.v1.worker.block_table import BlockTable
-from worker_harness import B, W, Batch, ReferenceOps, host_pool, tiny_config
+from worker_harness import B, W, Batch, WorkerRig, tiny_config
 
 NUM_GPU_BLOCKS = 256
 
 
-@dataclass
-class Bound:
-    """A worker bound as ``binding.bind_runtime`` binds it, on CPU."""
+class Bound(WorkerRig):
+    """A worker bound as ``binding.bind_runtime`` binds it, on CPU: the
+    pool, its in-slab staging blocks and batch tables sized for the limits,
+    and the prefill staging cache."""
 
-    config: object
-    slab: torch.Tensor
-    pool: object
-    runtime: object
-    worker: HiSparseWorker
-    staging: StagingCache
-    limits: BatchLimits
-    max_model_len: int
-
-    @property
-    def layout(self):
-        return self.config.layout
+    def __init__(self, *, freq=1, topk=64, hot=None, seqs=8, tokens=512,
+                 max_model_len=40 * B):
+        staging_blocks = staging_block_count(max_model_len, B, tokens)
+        config = tiny_config(freq=freq, index_topk=topk, device_buffer_size=hot,
+                             num_gpu_blocks=NUM_GPU_BLOCKS,
+                             staging_blocks=staging_blocks)
+        batch = Batch(len(config.layout.kv_cache_groups), max_reqs=seqs,
+                      max_blocks=cdiv(max_model_len, B), max_tokens=tokens)
+        super().__init__(config=config, tables=batch, max_num_seqs=seqs,
+                         max_num_tokens=tokens)
+        self.staging = StagingCache(max_model_len, B, W, torch.device("cpu"))
+        self.limits = BatchLimits(seqs, tokens)
+        self.max_model_len = max_model_len
 
     def reserve(self):
         return hisparse_gpu_reserve(self.layout, self.limits, self.max_model_len)
@@ -58,25 +55,8 @@ class Bound:
 def bind():
     bound: list[Bound] = []
 
-    def make(*, freq=1, topk=64, hot=None, seqs=8, tokens=512, max_model_len=40 * B):
-        staging_blocks = staging_block_count(max_model_len, B, tokens)
-        config = tiny_config(freq=freq, index_topk=topk, device_buffer_size=hot,
-                             num_gpu_blocks=NUM_GPU_BLOCKS,
-                             staging_blocks=staging_blocks)
-        layout = config.layout
-        slab = torch.zeros((config.num_blocks + staging_blocks) * layout.bytes_per_block,
-                           dtype=torch.uint8)
-        pool = host_pool(config)
-        batch = Batch(len(layout.kv_cache_groups), max_reqs=seqs,
-                      max_blocks=cdiv(max_model_len, B), max_tokens=tokens)
-        runtime = make_runtime(config, slab, pool, batch, ReferenceOps,
-                               max_num_seqs=seqs, max_num_tokens=tokens)
-        worker = HiSparseWorker(runtime, pool, slab=slab, rank=0,
-                                eager_host_mirror=True,
-                                page_copy=reference.ref_copy_descriptors)
-        staging = StagingCache(max_model_len, B, W, torch.device("cpu"))
-        bound.append(Bound(config, slab, pool, runtime, worker, staging,
-                           BatchLimits(seqs, tokens), max_model_len))
+    def make(**case):
+        bound.append(Bound(**case))
         return bound[-1]
 
     yield make
@@ -103,7 +83,7 @@ def test_reserve_items_equal_the_runtime_tensors(bind, case):
     (int32 [R_ws, K] x 3 + [R_ws] x 2); 2.11: the staging cache; the mirror
     descriptors (K2); the in-slab staging blocks (K13) in the slab."""
     b = bind(**case)
-    rt, reserve = b.runtime, b.reserve()
+    rt, reserve = b.rt, b.reserve()
     hot = sum(nbytes(g.dgi, g.lru, g.stats) for g in rt.groups) + nbytes(
         rt.req_state, rt.row_req, rt._lru_init)
     assert reserve.hot_slot_state == hot
@@ -127,7 +107,7 @@ def test_reserve_covers_every_tensor_the_worker_holds(bind, case):
     staging cache, less the slab and the host pool, is in the reserve: a new
     buffer that the reserve does not count makes this fail."""
     b = bind(**case)
-    held = held_tensor_bytes([b.runtime, b.worker, b.staging], "cpu",
+    held = held_tensor_bytes([b.rt, b.worker, b.staging], "cpu",
                              exclude=[b.slab, b.pool.tensor])
     assert held == b.reserve().worker_state
 
@@ -135,7 +115,7 @@ def test_reserve_covers_every_tensor_the_worker_holds(bind, case):
 def test_held_bytes_count_shared_storage_once(bind):
     """Views (the layer views, workspace slices) are not counted again."""
     b = bind()
-    rt = b.runtime
+    rt = b.rt
     once = held_tensor_bytes([rt], "cpu", exclude=[b.slab, b.pool.tensor])
     views = [rt.workspace.out_rows[:3], rt.groups[0].dgi[1:], rt]
     assert held_tensor_bytes(views, "cpu", exclude=[b.slab, b.pool.tensor]) == once
@@ -145,7 +125,7 @@ def test_held_bytes_count_shared_storage_once(bind):
 def test_index_groups_are_counted_as_the_runtime_builds_them(bind):
     for freq in (1, 2):
         b = bind(freq=freq)
-        assert num_index_groups(b.layout.leaders) == len(b.runtime.groups)
+        assert num_index_groups(b.layout.leaders) == len(b.rt.groups)
     assert num_index_groups([False, True, False]) == 2
     assert num_index_groups([]) == 0
 

@@ -10,11 +10,14 @@ are compared with HiSparse off on the same prefill path
 (``sparse_mla_force_mqa=True``, which HiSparse forces), the same mode, the
 same seeded weights and the same requests:
 
-- greedy tokens identical, always; every sampled token's logprob and the
-  top-5 bitwise equal wherever both arms ran the same schedule (the
-  multiset of per-request token counts of every step); where the schedule
-  differed the report says so, with the largest logprob difference
-  (e2e_compare.py);
+- every sampled token and its logprob and the top-5 bitwise equal wherever
+  both arms ran the same batches: the natural off arm where its schedule
+  (the multiset of per-request token counts of every step) equals the
+  HiSparse engine's, and always the replay arm (``rep_*``: a HiSparse-off
+  engine that runs exactly the HiSparse engines' recorded steps, requests,
+  token counts and prefix hits; schedule_replay.py), which judges every
+  scenario whose natural schedule differed (vLLM's kernels are not
+  batch-invariant, e2e_compare.py);
 - controls that show the comparison can fail, recorded beside the results:
   the sensitivity control (replacing the early 40% of a prompt changes the
   greedy tokens of most prompts on the chosen seeded init, measured in the
@@ -66,6 +69,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import e2e_compare as compare  # noqa: E402
 import e2e_workload as workload  # noqa: E402
+import schedule_replay  # noqa: E402
 import seeded_init  # noqa: E402
 
 DEBUG_ENV = "VLLM_HISPARSE_DEBUG"
@@ -121,6 +125,10 @@ def engine_specs() -> dict[str, dict]:
     def off(model="glm", mode="default", chunk=2048, tp=1):
         return dict(model=model, mode=mode, chunk=chunk, hisparse=None, tp=tp)
 
+    specs_off = {"off_c2k": off(), "off_c8k": off(chunk=8192), "off_eager": off(mode="eager"),
+                 "off_fdo": off(mode="fdo"), "off_share": off(model="glm_share"),
+                 "off_tp2": off(tp=2)}
+
     def on(model="glm", mode="default", chunk=2048, blocks="pressure", offload=False,
            audit=False, kind="pressure", tp=1, **hisparse):
         return dict(model=model, mode=mode, chunk=chunk,
@@ -133,7 +141,10 @@ def engine_specs() -> dict[str, dict]:
         "on_c2k": on(offload=True),
         "on_c2k_audit": on(offload=True, audit=True),
         "on_lazy": on(eager_host_mirror=False),
-        "on_hostex": on(kind="hostex", host_pool_gib=HOSTEX_GIB),
+        # E2E-9: ample GPU blocks, so that all four requests run at once and
+        # their decode outgrows the host pool (under GPU pressure HiSparse
+        # admits them a few at a time and the host never runs out: run 9).
+        "on_hostex": on(kind="hostex", blocks=None, host_pool_gib=HOSTEX_GIB),
         # No pressure: ample blocks and a resident window holding any prompt.
         # Host-prefix hits (returning) start zero-resident; with room to
         # spare their pages are restored to resident blocks (adopted).
@@ -152,9 +163,18 @@ def engine_specs() -> dict[str, dict]:
         # E2E-10, two GPUs: one host pool shared by both ranks (rank 0 writes).
         "off_tp2": off(tp=2),
         "on_tp2": on(offload=True, tp=2),
+        # Replay arms: the off engine's configuration, following the
+        # recorded schedules of the HiSparse engines run before them.
+        **{rep: dict(specs_off[ref], replay_of=ref) for rep, ref in REPLAYS.items()},
     }
 
 
+REPLAYS = {
+    "rep_c2k": "off_c2k", "rep_c8k": "off_c8k", "rep_eager": "off_eager",
+    "rep_fdo": "off_fdo", "rep_share": "off_share", "rep_tp2": "off_tp2",
+}
+"""Replay engine -> the off engine whose configuration it has; it replays
+every HiSparse engine of that reference that ran before it."""
 REFERENCE = {
     "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_lazy": "off_c2k",
     "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
@@ -189,8 +209,8 @@ ENGINE_IDS = {
     "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
     "on_share": "IndexShare", "on_tp2": "E2E-10",
 }
-DEFAULT_ENGINES = ("off_c2k", "on_c2k", "on_c2k_audit", "on_lazy", "on_hostex",
-                   "off_c8k", "on_c8k")
+DEFAULT_ENGINES = ("off_c2k", "on_c2k", "on_c2k_audit", "on_lazy", "on_hostex", "rep_c2k",
+                   "off_c8k", "on_c8k", "rep_c8k")
 
 
 def spec_ids(engine: str, scenario: str) -> str:
@@ -200,9 +220,15 @@ def spec_ids(engine: str, scenario: str) -> str:
 
 def plan_for(engine: str, wanted: list[str]) -> list[str]:
     """An ON engine's own plan; an OFF engine runs every scenario its
-    wanted dependents compare with, in SCENARIO_ORDER."""
+    wanted dependents compare with, in SCENARIO_ORDER; a replay engine
+    replays "on_engine/scenario" for every HiSparse engine of its
+    reference before it in ``wanted``."""
     if engine in ON_PLAN:
         return list(ON_PLAN[engine])
+    if engine in REPLAYS:
+        before = wanted[:wanted.index(engine)]
+        return [f"{e}/{s}" for e in before if REFERENCE.get(e) == REPLAYS[engine]
+                for s in ON_PLAN[e]]
     need = {s for e in wanted if REFERENCE.get(e) == engine for s in ON_PLAN[e]}
     return [s for s in SCENARIO_ORDER if s in need]
 
@@ -223,6 +249,9 @@ def validate_engines(wanted: list[str], specs: dict) -> None:
         ref = REFERENCE.get(e)
         if ref is not None and ref not in wanted[:i]:
             raise ValueError(f"{e} needs its reference {ref} earlier in --engines")
+        if e in REPLAYS and not plan_for(e, wanted):
+            raise ValueError(f"{e} replays the HiSparse engines of {REPLAYS[e]}: "
+                             "name at least one of them earlier in --engines")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -263,24 +292,18 @@ def core(llm):
 
 def instrument(llm) -> None:
     """Count preemptions and external (offloaded) tokens in the scheduler,
-    and record its schedule trace (one entry per step that ran tokens)."""
+    and record (or, in a replay engine, follow) its keyed schedule
+    (schedule_replay.ScheduleTap)."""
     sched = core(llm).scheduler
     sched._hs_preemptions = 0
-    sched._hs_trace = []
-    preempt, schedule = sched._preempt_request, sched.schedule
+    sched._hs_tap = schedule_replay.ScheduleTap(sched)
+    preempt = sched._preempt_request
 
     def counted(*a, **kw):
         sched._hs_preemptions += 1
         return preempt(*a, **kw)
 
-    def traced(*a, **kw):
-        out = schedule(*a, **kw)
-        step = compare.trace_step(out.num_scheduled_tokens)
-        if step is not None:
-            sched._hs_trace.append(step)
-        return out
-
-    sched._preempt_request, sched.schedule = counted, traced
+    sched._preempt_request = counted
     connector = getattr(sched, "connector", None)
     if connector is not None:
         connector._hs_external_tokens = 0
@@ -433,7 +456,7 @@ PREEMPTION_STORM = 200
 
 
 def generate_records(llm, prompts: list[list[int]], max_tokens: list[int],
-                     deadline: float) -> list[dict]:
+                     deadline: float, keys: list[str] | None = None) -> list[dict]:
     """One generate() call; a record (tokens + logprob bits) per prompt.
 
     LLM.generate's loop (enqueue, then step until done) with two exits: past
@@ -446,6 +469,10 @@ def generate_records(llm, prompts: list[list[int]], max_tokens: list[int],
     # enqueue returns internal ids (LLM's counter + "-" + 8 random chars,
     # InputProcessor.assign_request_id); outputs and aborts use the counter.
     ids = [i.split("-", 1)[0] for i in internal]
+    tap = getattr(sched, "_hs_tap", None)
+    if keys is not None and tap is not None:
+        for rid, key in zip(internal, keys):
+            tap.name(rid, key)
     preempted_before = getattr(sched, "_hs_preemptions", 0)
     done: dict[str, object] = {}
     why = None
@@ -464,20 +491,25 @@ def generate_records(llm, prompts: list[list[int]], max_tokens: list[int],
                                        done[i].outputs[0].logprobs) for i in ids]
 
 
-def run_scenario(llm, name: str, deadline: float) -> tuple[dict[str, dict], list]:
-    """Every call of the scenario in order; the records by request key
-    ("call/conversation") and the schedule trace."""
-    sched = core(llm).scheduler
-    sched._hs_trace = []
+def run_scenario(llm, name: str, deadline: float, plan: list | None = None
+                 ) -> tuple[dict[str, dict], list, dict | None]:
+    """Every call of the scenario in order, on the engine's own schedule or
+    following ``plan`` (another engine's keyed steps); the records by
+    request key ("call/conversation"), the keyed steps and where a replay
+    diverged (None)."""
+    tap = core(llm).scheduler._hs_tap
+    tap.start(plan)
     histories: dict[str, list[int]] = {}
     records: dict[str, dict] = {}
     for c, call in enumerate(workload.scenario(name)):
         prompts = [workload.prompt_of(t, histories) for t in call]
-        recs = generate_records(llm, prompts, [t.max_tokens for t in call], deadline)
-        for t, p, r in zip(call, prompts, recs):
+        keys = [f"{c}/{t.conv}" for t in call]
+        recs = generate_records(llm, prompts, [t.max_tokens for t in call], deadline, keys)
+        for t, p, r, k in zip(call, prompts, recs, keys):
             workload.record_turn(t, p, r["tokens"], histories)
-            records[f"{c}/{t.conv}"] = r
-    return records, list(sched._hs_trace)
+            records[k] = r
+    diverged = tap.finish()
+    return records, list(tap.steps), diverged
 
 
 def apply_variant(llm, name: str) -> dict:
@@ -662,7 +694,7 @@ class Gate:
             self.fail(f"{name}: not run, the first (HiSparse-off) engine fixed no weights")
             return
         plan = [s for s in plan_for(name, self.a.engines)
-                if self.a.scenarios is None or s in self.a.scenarios]
+                if self.a.scenarios is None or s.split("/")[-1] in self.a.scenarios]
         if self.a.p2 and name in ("off_c2k", "on_nopressure"):
             plan.append("p2")
         rec = self.R["engines"].setdefault(name, {"spec": spec, "plan": plan})
@@ -724,7 +756,10 @@ class Gate:
     # ---------------------------------------------------------- scenario
 
     def run_one(self, llm, name: str, spec: dict, scenario: str) -> bool:
-        """Run and judge one scenario; False if the engine is unusable."""
+        """Run and judge one scenario; False if the engine is unusable. A
+        replay engine's scenario is "on_engine/scenario"."""
+        if name in REPLAYS:
+            return self.replay_one(llm, name, scenario)
         entry = {"engine": name, "scenario": scenario,
                  "spec_ids": spec_ids(name, scenario) if scenario != "p2" else "P2"}
         ok = True
@@ -756,7 +791,7 @@ class Gate:
             entry["armed"] = llm.collective_rpc(arm_host_row_fault)
         t0 = time.time()
         before = counters(llm)
-        records, trace = run_scenario(llm, scenario, t0 + self.a.scenario_timeout)
+        records, trace, _ = run_scenario(llm, scenario, t0 + self.a.scenario_timeout)
         entry["wall_s"] = round(time.time() - t0, 1)
         entry["counters"] = delta(counters(llm), before)
         if fault:
@@ -776,7 +811,8 @@ class Gate:
             return
         key = f"{name}/{scenario}"
         cmp = compare.compare_scenario(self.R["records"][ref], self.R["records"][key],
-                                       self.R["traces"][ref], self.R["traces"][key])
+                                       unkeyed(self.R["traces"][ref]),
+                                       unkeyed(self.R["traces"][key]))
         entry["comparison"] = cmp
         checks = compare.evaluate_checks(compare.expected_checks(spec, scenario),
                                          entry["counters"])
@@ -785,23 +821,83 @@ class Gate:
                 "host_pool_roles"] == [{"shared": True, "writer": r == 0}
                                        for r in range(spec["tp"])]
         entry["checks"] = checks
-        if scenario == "fault_probe":
-            nc = compare.negative_control(cmp, entry.get("fault", {}))
-            nc["engine"] = name
-            entry["negative_control"] = nc
-            self.R["negative_control"].append(nc)
-            entry["pass"] = nc["pass"] and all(checks.values())
-        else:
-            entry["pass"] = cmp["pass"] and all(checks.values())
-        if not entry["pass"]:
-            self.fail(f"{name}/{scenario}: {cmp['note']}, checks "
-                      f"{[k for k, v in checks.items() if not v]}")
+        # Provisional (finish() decides): a differing natural schedule waits
+        # for the replay; the negative control needs the engine's clean runs.
+        entry["pass"] = cmp["pass"] and all(checks.values())
+
+    def replay_one(self, llm, name: str, item: str) -> bool:
+        """Replay a HiSparse engine's scenario with its recorded steps and
+        compare: keyed schedules equal, logprobs bitwise."""
+        engine, scenario = item.split("/", 1)
+        key = f"{engine}/{scenario}"
+        entry = self.entry_of(engine, scenario)
+        if key not in self.R["records"] or entry is None or "error" in entry:
+            return True  # the HiSparse engine did not finish it: nothing to replay
+        t0 = time.time()
+        rec: dict = {"engine": name}
+        ok = True
+        try:
+            records, steps, diverged = run_scenario(llm, scenario, t0 + self.a.scenario_timeout,
+                                                    plan=self.R["traces"][key])
+            self.R["records"][f"{name}/{key}"] = records
+            self.R["traces"][f"{name}/{key}"] = steps
+            rec.update(compare.compare_scenario(records, self.R["records"][key],
+                                                steps, self.R["traces"][key], replay=True),
+                       diverged=diverged)
+        except ScenarioAborted as err:  # the engine stays usable
+            rec.update({"error": str(err)})
+        except Exception:
+            rec.update({"error": traceback.format_exc()[-6000:]})
+            ok = False
+        if "error" in rec:
+            rec.update({"pass": False, "schedule_equal": False,
+                        "note": rec["error"].strip().splitlines()[-1]})
+        rec["wall_s"] = round(time.time() - t0, 1)
+        entry["replay"] = rec
+        log(name, key, {k: v for k, v in rec.items() if k != "error"}, rec.get("error", ""))
+        self.save()
+        return ok
+
+    def entry_of(self, engine: str, scenario: str) -> dict | None:
+        return next((e for e in self.R["scenarios"]
+                     if e["engine"] == engine and e["scenario"] == scenario), None)
 
     # ------------------------------------------------------------ finish
 
+    def verdicts(self) -> None:
+        """Every HiSparse scenario's final verdict: its decisive comparison
+        (the replay's, or the natural one under equal batches) passed and
+        its checks held; the negative control was detected under equal
+        batches after a clean pass of the same engine under pressure."""
+        judged = [e for e in self.R["scenarios"] if "checks" in e]
+        clean = {}
+        for e in judged:
+            cmp = compare.decisive(e)
+            e["decided_by"] = ("replay" if e.get("replay") is not None else
+                               "natural" if cmp is not None else None)
+            if e["scenario"] != "fault_probe":
+                e["pass"] = (cmp is not None and cmp["pass"]
+                             and e["comparison"]["pass"] and all(e["checks"].values()))
+                if e["pass"] and e["counters"].get("misses", 0) > 0:
+                    clean[e["engine"]] = clean.get(e["engine"], 0) + 1
+        for e in judged:
+            cmp = compare.decisive(e)
+            if e["scenario"] == "fault_probe":
+                nc = compare.negative_control(cmp, e.get("fault", {}), clean.get(e["engine"], 0))
+                nc["engine"] = e["engine"]
+                e["negative_control"] = nc
+                self.R["negative_control"].append(nc)
+                e["pass"] = nc["pass"] and all(e["checks"].values())
+            if not e["pass"]:
+                why = cmp["note"] if cmp is not None else "schedule differed and no replay ran"
+                self.fail(f"{e['engine']}/{e['scenario']}: {why}, checks "
+                          f"{[k for k, v in e['checks'].items() if not v]}")
+
     def finish(self) -> None:
-        """Run-level verdicts: the weights were identical in every engine of
-        a model; the negative controls that ran were detected."""
+        """Run-level verdicts: every scenario's (verdicts()); the weights
+        were identical in every engine of a model; the negative controls
+        that ran were detected."""
+        self.verdicts()
         groups: dict = {}
         for name, fp in self.fingerprints.items():
             groups.setdefault(str(fp["key"]), []).append((name, fp["prints"]))
@@ -819,6 +915,12 @@ class Gate:
         self.R["variant"] = self.variant
         self.save()
         log("done, failures:", len(self.failures), self.failures)
+
+
+def unkeyed(steps: list) -> list[list[int]]:
+    """Keyed steps (schedule_replay) as the natural comparison's trace: the
+    sorted token counts of each step."""
+    return [schedule_replay.step_counts(s) for s in steps]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,17 +69,23 @@ def test_top_entries_are_matched_by_id():
     assert d.max_abs_logprob_diff == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize("same_tokens,same_bits,same_schedule,ok,note", [
-    (True, True, True, True, "bitwise identical"),
-    (True, True, False, True, "bitwise identical"),
-    (True, False, True, False, "logprobs differ under an equal schedule"),
-    (True, False, False, True, "schedule differed"),
-    (False, False, False, False, "tokens differ"),
-    (False, False, True, False, "tokens differ"),
+@pytest.mark.parametrize("same_tokens,same_bits,same_schedule,replay,ok,note", [
+    (True, True, True, False, True, "bitwise identical"),
+    (True, True, False, False, True, "bitwise identical"),
+    (True, False, True, False, False, "logprobs differ under an equal schedule"),
+    (False, False, True, False, False, "tokens differ"),
+    (True, False, False, False, True, cmp.SCHEDULE_DIFFERED),
+    (False, False, False, False, True, cmp.SCHEDULE_DIFFERED),
+    (True, False, True, True, False, "logprobs differ under an equal schedule"),
+    (False, False, True, True, False, "tokens differ"),
+    (True, False, False, True, False, cmp.REPLAY_DIVERGED),
+    (True, True, False, True, True, "bitwise identical"),
 ])
-def test_verdict(same_tokens, same_bits, same_schedule, ok, note):
-    """Tokens are never relaxed; bits only where the schedules differ."""
-    assert cmp.verdict(same_tokens, same_bits, same_schedule) == (ok, note)
+def test_verdict(same_tokens, same_bits, same_schedule, replay, ok, note):
+    """T1: nothing is relaxed under equal batches; a natural comparison of
+    other batches decides nothing (the replay does); a replay must have
+    followed the schedule."""
+    assert cmp.verdict(same_tokens, same_bits, same_schedule, replay) == (ok, note)
 
 
 def test_compare_scenario_reports_schedule_and_diffs():
@@ -89,7 +95,7 @@ def test_compare_scenario_reports_schedule_and_diffs():
     assert not same["pass"] and same["schedule_equal"]
     assert same["note"] == "logprobs differ under an equal schedule"
     differ = cmp.compare_scenario(ref, got, [[2048], [1, 1]], [[1024], [1024], [1, 1]])
-    assert differ["pass"] and differ["note"] == "schedule differed"
+    assert differ["pass"] and differ["note"] == cmp.SCHEDULE_DIFFERED
     assert differ["max_abs_logprob_diff"] == pytest.approx(0.0625)
     assert differ["schedule_divergence"] == {"step": 0, "reference": [2048],
                                              "hisparse": [1024]}
@@ -124,13 +130,26 @@ def test_choose_variant_takes_the_first_that_meets():
         "d", False)
 
 
-def test_negative_control_needs_a_reported_divergence_and_a_fired_fault():
-    failing = {"pass": False, "note": "tokens differ"}
-    passing = {"pass": True, "note": "schedule differed"}
-    assert cmp.negative_control(failing, {"fired": 1, "last": {"page": 3}})["pass"]
-    assert not cmp.negative_control(failing, {"fired": 0})["pass"]  # not the fault
-    missed = cmp.negative_control(passing, {"fired": 1})
+def test_negative_control_needs_a_divergence_under_equal_batches_a_fault_and_a_clean_pass():
+    failing = {"pass": False, "note": "tokens differ", "schedule_equal": True}
+    diverged = {"pass": False, "note": cmp.REPLAY_DIVERGED, "schedule_equal": False}
+    passing = {"pass": True, "note": "bitwise identical", "schedule_equal": True}
+    assert cmp.negative_control(failing, {"fired": 1, "last": {"page": 3}}, 1)["pass"]
+    assert not cmp.negative_control(failing, {"fired": 0}, 1)["pass"]  # not the fault
+    assert not cmp.negative_control(failing, {"fired": 1}, 0)["pass"]  # no clean pass (run 8)
+    assert not cmp.negative_control(diverged, {"fired": 1}, 1)["detected"]
+    assert not cmp.negative_control(None, {"fired": 1}, 1)["detected"]
+    missed = cmp.negative_control(passing, {"fired": 1}, 1)
     assert not missed["pass"] and not missed["detected"]
+
+
+def test_the_decisive_comparison_is_the_replay_or_an_equal_schedule():
+    natural_equal = {"schedule_equal": True, "bitwise_logprobs": False}
+    natural_other = {"schedule_equal": False, "bitwise_logprobs": False}
+    replay = {"schedule_equal": True, "bitwise_logprobs": True}
+    assert cmp.decisive({"comparison": natural_equal}) is natural_equal
+    assert cmp.decisive({"comparison": natural_other}) is None
+    assert cmp.decisive({"comparison": natural_other, "replay": replay}) is replay
 
 
 SPECS = {

@@ -13,8 +13,9 @@ from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 
 SPECS = e2e.engine_specs()
 COMMANDS = {  # results/e2e/README.md: the two device commands of the gate
-    1: "off_c2k,on_c2k,on_c2k_audit,on_lazy,on_hostex,off_c8k,on_c8k",
-    2: "off_c2k,on_nopressure,off_eager,on_eager,off_fdo,on_fdo,off_share,on_share",
+    1: "off_c2k,on_c2k,on_c2k_audit,on_lazy,on_hostex,rep_c2k,off_c8k,on_c8k,rep_c8k",
+    2: "off_c2k,on_nopressure,rep_c2k,off_eager,on_eager,rep_eager,off_fdo,on_fdo,rep_fdo,"
+       "off_share,on_share,rep_share",
 }
 
 
@@ -79,6 +80,8 @@ def test_the_readme_commands_parse(command):
     ("on_c2k,off_c2k", "must be a HiSparse-off engine"),
     ("off_c2k,on_c8k", "needs its reference off_c8k"),
     ("off_c2k,on_bogus", "unknown engine"),
+    ("off_c2k,rep_c2k,on_c2k", "name at least one of them earlier"),
+    ("off_c2k,on_c2k,rep_c8k", "name at least one of them earlier"),
 ])
 def test_engine_order_is_validated(engines, match):
     with pytest.raises(ValueError, match=match):
@@ -118,6 +121,27 @@ def test_each_command_has_a_negative_control():
     for command in COMMANDS.values():
         engines = command.split(",")
         assert any("fault_probe" in e2e.ON_PLAN.get(e, ()) for e in engines)
+
+
+def test_each_command_replays_every_hisparse_engine():
+    """T1 under pressure is judged by a replay (docs/worker.md K28): every
+    HiSparse engine of a command has the replay arm of its reference after
+    it, and that arm replays each of its scenarios."""
+    for command in COMMANDS.values():
+        engines = command.split(",")
+        for i, e in enumerate(engines):
+            if e not in e2e.REFERENCE:
+                continue
+            rep = next(r for r, ref in e2e.REPLAYS.items() if ref == e2e.REFERENCE[e])
+            assert rep in engines[i + 1:], (command, e)
+            assert {f"{e}/{s}" for s in e2e.ON_PLAN[e]} <= set(e2e.plan_for(rep, engines))
+
+
+@pytest.mark.parametrize("replay", sorted(e2e.REPLAYS))
+def test_a_replay_arm_is_its_off_engine(replay):
+    spec = dict(SPECS[replay])
+    assert spec.pop("replay_of") == e2e.REPLAYS[replay]
+    assert spec == SPECS[e2e.REPLAYS[replay]]
 
 
 @pytest.mark.parametrize("engine", sorted(e2e.REFERENCE))

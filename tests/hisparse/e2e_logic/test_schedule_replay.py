@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The e2e gate's replay arm (tests/e2e/schedule_replay.py, docs/worker.md
+K28) on vLLM's real schedulers: a HiSparse-off scheduler made to follow a
+HiSparse scheduler's recorded steps reproduces them exactly (requests, their
+order, token counts, prefix-hit lengths at admission), sync and async,
+where its own schedule differs; and a replay that cannot be reproduced is
+reported, not hidden. T1's bitwise comparison rests on it: with the same
+batches, HiSparse on and off must give the same logprobs."""
+
+import random
+
+import pytest
+import schedule_replay as replay
+
+from tests.hisparse.scheduler.harness import (
+    AsyncDriver,
+    SimWorker,
+    baseline_kv_cache_config,
+    hisparse_kv_cache_config,
+    make_request,
+    make_scheduler,
+    model_output,
+    run_step,
+)
+
+
+class BaselineAsync:
+    """vLLM's async engine loop for a scheduler without a worker double:
+    step t+1 is scheduled before step t's output is processed."""
+
+    def __init__(self, s) -> None:
+        self.s, self.in_flight = s, None
+
+    def step(self) -> None:
+        so = self.s.schedule()
+        if self.in_flight is not None:
+            prev = self.in_flight
+            self.s.update_from_output(prev, model_output(self.s, prev, None))
+        self.in_flight = so
+
+    def busy(self) -> bool:
+        return (self.in_flight is not None and bool(self.in_flight.num_scheduled_tokens)) \
+            or self.s.has_unfinished_requests()
+
+
+class BaselineSync:
+    def __init__(self, s) -> None:
+        self.s = s
+
+    def step(self) -> None:
+        so = self.s.schedule()
+        self.s.update_from_output(so, model_output(self.s, so, None))
+
+    def busy(self) -> bool:
+        return self.s.has_unfinished_requests()
+
+
+class HiSparseSync:
+    def __init__(self, s, w) -> None:
+        self.s, self.w = s, w
+
+    def step(self) -> None:
+        run_step(self.s, self.w)
+
+    def busy(self) -> bool:
+        return self.s.has_unfinished_requests() or self.s.connector.has_pending_push_work()
+
+
+def scenario(seed: int = 3) -> list[list[tuple[str, list[int], int]]]:
+    """Conversations as the gate's: long first turns beside each other,
+    then short follow-ups of two of them (prefix hits), in two calls."""
+    rng = random.Random(seed)
+    first = {f"c{i}": [rng.randint(2, 900) for _ in range(n)]
+             for i, n in enumerate((1100, 900, 1300, 700))}
+    calls = [[(k, p, 24) for k, p in first.items()]]
+    calls.append([(k, first[k] + [rng.randint(2, 900) for _ in range(150)], 16)
+                  for k in ("c0", "c2")])
+    return calls
+
+
+def run(s, driver, tap, calls, arm: str, plan=None) -> list:
+    tap.start(plan)
+    for c, call in enumerate(calls):
+        for key, prompt, max_tokens in call:
+            req = make_request(f"{c}/{key}-{arm}", prompt, max_tokens)
+            tap.name(req.request_id, f"{c}/{key}")
+            s.add_request(req)
+        steps = 0
+        while driver.busy():
+            driver.step()
+            steps += 1
+            assert steps < 5000
+    tap.finish()
+    return tap.steps
+
+
+@pytest.fixture
+def arms(tmp_path):
+    def make(async_scheduling: bool):
+        s = make_scheduler(tmp_path / "on", hisparse_kv_cache_config(
+            num_gpu_blocks=100, num_host_blocks=400),
+            async_scheduling=async_scheduling, max_num_batched_tokens=256)
+        w = SimWorker(s)
+        hs_driver = AsyncDriver(s, w) if async_scheduling else HiSparseSync(s, w)
+
+        def baseline():
+            b = make_scheduler(tmp_path / "off", baseline_kv_cache_config(num_gpu_blocks=2000),
+                               async_scheduling=async_scheduling, max_num_batched_tokens=256)
+            return b, (BaselineAsync(b) if async_scheduling else BaselineSync(b))
+
+        return (s, hs_driver), baseline
+
+    return make
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_replay_reproduces_the_hisparse_schedule(arms, async_scheduling):
+    """T1: the off arm follows HiSparse's steps exactly, although its own
+    schedule under no pressure differs (HiSparse deferred admissions and
+    hit shorter prefixes here)."""
+    (s, d), baseline = arms(async_scheduling)
+    calls = scenario()
+    recorded = run(s, d, replay.ScheduleTap(s), calls, "on")
+    assert s.kv_cache_manager.coordinator.hisparse.stats.lost_pages > 0  # under pressure
+
+    b, bd = baseline()
+    natural = run(b, bd, replay.ScheduleTap(b), calls, "off")
+    assert natural != recorded  # the comparison this replaces could not be bitwise
+
+    b2, bd2 = baseline()
+    tap = replay.ScheduleTap(b2)
+    replayed = run(b2, bd2, tap, calls, "rep", plan=recorded)
+    assert tap.diverged is None
+    assert replayed == recorded
+
+
+def test_replay_caps_a_prefix_hit_at_the_recorded_length(arms):
+    """A follow-up HiSparse admitted with a shorter prefix hit than the off
+    arm's cache holds is recomputed from the same point in the replay."""
+    (s, d), baseline = arms(False)
+    calls = scenario()
+    recorded = run(s, d, replay.ScheduleTap(s), calls, "on")
+    admitted = {k: c for step in recorded for k, _, c in step if c >= 0}
+    b, bd = baseline()
+    natural = run(b, bd, replay.ScheduleTap(b), calls, "off")
+    natural_admitted = {k: c for step in natural for k, _, c in step if c >= 0}
+    shorter = [k for k in admitted if admitted[k] < natural_admitted[k]]
+    assert shorter  # the cap is exercised: HiSparse hit less than the off arm
+    b2, bd2 = baseline()
+    tap = replay.ScheduleTap(b2)
+    replayed = run(b2, bd2, tap, calls, "rep", plan=recorded)
+    assert {k: c for step in replayed for k, _, c in step if c >= 0} == admitted
+    assert tap.diverged is None
+
+
+def test_a_schedule_the_replay_cannot_follow_is_reported(arms):
+    """A recorded step asking for more tokens than a request has left (here
+    a doctored trace) diverges: the tap says where and falls back to the
+    engine's own schedule, so the scenario still finishes."""
+    (s, d), baseline = arms(False)
+    calls = scenario()
+    recorded = run(s, d, replay.ScheduleTap(s), calls, "on")
+    doctored = [list(map(list, step)) for step in recorded]
+    doctored[2][0][1] += 5000
+    b, bd = baseline()
+    tap = replay.ScheduleTap(b)
+    run(b, bd, tap, calls, "rep", plan=doctored)
+    assert tap.diverged is not None and tap.diverged["step"] == 2
+    assert tap.diverged["wanted"] == doctored[2]
+
+
+def test_a_replay_left_unfinished_is_reported(arms):
+    (s, d), baseline = arms(False)
+    calls = scenario()
+    recorded = run(s, d, replay.ScheduleTap(s), calls, "on")
+    b, bd = baseline()
+    tap = replay.ScheduleTap(b)
+    run(b, bd, tap, calls[:1], "rep", plan=recorded)  # the second call never comes
+    assert tap.diverged is not None and tap.diverged["left_over"] > 0
+
+
+def test_step_counts_is_the_unkeyed_trace():
+    import e2e_compare as compare
+
+    step = [["0/a", 5, -1], ["0/b", 2048, 0], ["0/c", 1, -1]]
+    assert replay.step_counts(step) == compare.trace_step({"x": 5, "y": 2048, "z": 1})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_replay_preempts_what_host_exhaustion_preempted(tmp_path, async_scheduling):
+    """E2E-9 / F8: HiSparse preempts on host exhaustion and recomputes; the
+    replay arm, which has no host pool to run out of, preempts the same
+    requests before the same steps and resumes them from the same point."""
+    s = make_scheduler(tmp_path / "on", hisparse_kv_cache_config(
+        num_gpu_blocks=400, num_host_blocks=36, max_num_batched_tokens=512),
+        async_scheduling=async_scheduling, max_num_batched_tokens=512, max_num_seqs=4)
+    d = AsyncDriver(s, SimWorker(s)) if async_scheduling else HiSparseSync(s, SimWorker(s))
+    rng = random.Random(0)
+    calls = [[(f"r{i}", [rng.randint(2, 900) for _ in range(900)], 300) for i in range(3)]]
+    recorded = run(s, d, replay.ScheduleTap(s), calls, "on")
+    preempted = [e for step in recorded for e in step if e[2] == replay.PREEMPTED]
+    assert preempted and all(e[1] == 0 for e in preempted)
+
+    b = make_scheduler(tmp_path / "off", baseline_kv_cache_config(num_gpu_blocks=2000),
+                       async_scheduling=async_scheduling, max_num_batched_tokens=512,
+                       max_num_seqs=4)
+    tap = replay.ScheduleTap(b)
+    replayed = run(b, BaselineAsync(b) if async_scheduling else BaselineSync(b), tap,
+                   calls, "rep", plan=recorded)
+    assert tap.diverged is None
+    assert replayed == recorded

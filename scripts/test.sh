@@ -45,7 +45,10 @@ tree=$("$HS_PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tree"])
 export HF_HOME=$HS_CACHE/hf HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 [[ -f "$HF_HOME/.hisparse-fake" ]] || { bash "$HS_ROOT/ci/cpu_test_harness/make_fake_hf_cache.sh" >/dev/null; touch "$HF_HOME/.hisparse-fake"; }
 export PYTHONPATH=$HS_ROOT/ci/cpu_test_harness${PYTHONPATH:+:$PYTHONPATH}
-pytest_() { hs_run "$py" -m pytest -p no:cacheprovider -q "$@" "${extra[@]}"; }
+# A passing test's tmp_path is removed as it ends: the tooling tier's fresh
+# clone and GPU wheel take several GB each, and CI machines vary in disk.
+pytest_() { hs_run "$py" -m pytest -p no:cacheprovider -o tmp_path_retention_policy=failed \
+  -q "$@" "${extra[@]}"; }
 failed=()
 
 if wants tooling; then

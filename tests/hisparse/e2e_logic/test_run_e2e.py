@@ -53,8 +53,22 @@ def test_c8k_single6k_is_exempt_because_it_cannot_be_under_pressure():
     """At chunk 8192 the pool minimum exceeds a fully resident 6K request."""
     fully_resident = e2e.cdiv(6000, 64) * 5 + 4 * e2e.cdiv(2 * e2e.INDEX_TOPK, 64)
     assert fully_resident < e2e.PRESSURE_BLOCKS[8192]
-    assert SPECS["on_c8k"]["no_pressure"] == ["single6k"]
+    assert "single6k" in SPECS["on_c8k"]["no_pressure"]
     assert e2e.cdiv(6000, 64) * 5 > e2e.PRESSURE_BLOCKS[2048]
+
+
+def test_c8k_concurrent_is_exempt_because_admission_absorbs_it():
+    """At chunk 8192 the four ~3K requests of ``concurrent`` do not all fit
+    the 840-block pool; HiSparse admits the fourth only when room returns,
+    so no page is lost (run 10 on the H200: 0 lost, 0 misses). The real
+    scheduler with the simulated worker shows the same, so the exemption is
+    a property of the configuration, not a hidden failure."""
+    import simulate_pressure
+
+    assert "concurrent" in SPECS["on_c8k"]["no_pressure"]
+    got = simulate_pressure.simulate("on_c8k", "concurrent", host_blocks=12000)
+    assert got["finished"] and got["preemptions"] == 0
+    assert got["lost_pages"] == 0 and got["max_running"] < 4
 
 
 def test_host_exhaustion_pool_holds_one_request_but_not_the_scenario():

@@ -1,53 +1,66 @@
 # SPDX-License-Identifier: Apache-2.0
 """Record an engine's schedule and make another engine follow it (the e2e
-gate's replay arm, docs/worker.md K28).
+gate's and the soak's replay arm, docs/worker.md K28).
 
 vLLM's kernels are not batch-invariant: a request's logits depend on what
 else ran in its steps (GEMM tiles, FlashMLA's split-KV plan, MoE blocks),
 and on a context-sensitive model that flips greedy tokens (run 9,
 results/e2e/README.md). HiSparse under pressure schedules differently from
 HiSparse off by design (it defers an admission, waits a step for an
-in-flight copy, hits a shorter host prefix), so a comparison with the off
-arm's own schedule cannot be bitwise. The replay arm is a HiSparse-off
-engine whose scheduler takes, step by step, exactly the requests and token
-counts the HiSparse engine's scheduler took, and the prefix-hit length
-each request had at admission: then both arms run the same batches, and
+in-flight copy, hits a shorter host prefix, preempts on host exhaustion),
+so a comparison with the off arm's own schedule cannot be bitwise. The
+replay arm is a HiSparse-off engine whose scheduler takes, step by step,
+exactly the requests and token counts the HiSparse engine's scheduler
+took, the prefix-hit length each request had at admission, and the same
+preemptions and client aborts: then both arms run the same batches, and
 every logprob must be equal bit for bit.
 
-``ScheduleTap`` wraps one in-process scheduler (``EngineCore.scheduler``):
+``ScheduleTap`` wraps one scheduler (``EngineCore.scheduler``, in process,
+or in a server's engine core through the test plugin
+``seeded_weights/hisparse_e2e_weights.py``):
 
 - it records, for every step that scheduled tokens, ``[key, tokens,
   computed]`` per request in the scheduler's order, where ``key`` names the
-  request in the scenario (``"call/conversation"``) and ``computed`` is the
-  number of tokens it already had when admitted or resumed in this step
-  (prefix hit plus external tokens), or -1 for a request already running;
-  and ``[key, 0, PREEMPTED]`` first for every request preempted since the
-  previous step (HiSparse preempts on host exhaustion, E2E-9);
-- in replay, before each ``schedule()`` it hides every running and waiting
-  request the recorded step does not name, puts the named running ones in
-  the recorded order, sets the step's token budget to the recorded total,
-  caps each admission's prefix hit at the recorded ``computed`` and
-  preempts what the recorded step preempted; it restores the queues and the
-  budget afterwards. The replayed steps are
+  request (a scenario's ``"call/conversation"``, or the server's request
+  id) and ``computed`` is the number of tokens it already had when admitted
+  or resumed in this step (prefix hit plus external tokens), or -1 for a
+  request already running; first in the step, ``[key, 0, PREEMPTED]`` or
+  ``[key, 0, ABORTED]`` for every request preempted or aborted by its
+  client since the previous step (only requests that had run: an abort of
+  a request never scheduled changes no batch);
+- in replay, before each ``schedule()`` it applies the step's preemptions
+  and aborts, hides every running and waiting request the step does not
+  name, puts the named running ones in the recorded order, sets the step's
+  token budget to the recorded total, and caps each admission's prefix hit
+  at the recorded ``computed``; it restores the queues and the budget
+  afterwards. vLLM's scheduler gives a request min(its remaining tokens,
+  the budget left), so this reproduces the counts. Replayed steps are
   recorded like any other, so the comparison checks that the replay
   reproduced the schedule; where it could not, ``diverged`` says where.
+- a streaming replay (``start(plan=[], streaming=True)`` then ``extend``)
+  follows a schedule that is still being recorded elsewhere: with nothing
+  left to follow it schedules nothing, until more arrives.
 
-Test-only: it touches scheduler attributes (``running``, ``waiting``,
-``skipped_waiting``, ``max_num_scheduled_tokens``,
-``kv_cache_manager.get_computed_blocks``) of the pinned vLLM 0.26.0.
+Test-only: it touches scheduler attributes of the pinned vLLM 0.26.0
+(``running``, ``waiting``, ``skipped_waiting``, ``requests``,
+``max_num_scheduled_tokens``, ``_preempt_request``, ``finish_requests``,
+``kv_cache_manager.get_computed_blocks``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 Step = list[list]
 """One recorded step: [[key, num_scheduled_tokens, computed_at_admission]]."""
 PREEMPTED = -2
 """``computed`` of a step entry that records a preemption (0 tokens)."""
+ABORTED = -3
+"""``computed`` of a step entry that records a client's abort (0 tokens)."""
+EVENTS = (PREEMPTED, ABORTED)
 
 
 def step_counts(step: Sequence[Sequence]) -> list[int]:
@@ -55,27 +68,42 @@ def step_counts(step: Sequence[Sequence]) -> list[int]:
     return sorted(int(n) for _, n, _ in step if n)
 
 
+def step_keys(step: Sequence[Sequence]) -> list[str]:
+    return [k for k, _, _ in step]
+
+
 class ScheduleTap:
     STALL_LIMIT = 1000
-    """Consecutive paced calls that scheduled nothing before the replay
-    gives up (the wanted requests never became schedulable)."""
+    """Consecutive paced calls that scheduled nothing before a (non-
+    streaming) replay gives up: the wanted requests never became
+    schedulable."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, sink: Callable[[Step], None] | None = None) -> None:
         self.sched = scheduler
+        self.sink = sink
+        """Called with every recorded step (a server's trace file)."""
         self.keys: dict[str, str] = {}
-        """Internal request id -> the scenario's key of the request."""
+        """Internal request id -> the request's key (default: the id)."""
         self.ids: dict[str, str] = {}
         self.steps: list[Step] = []
         self.plan: deque[Step] | None = None
+        self.streaming = False
         self.diverged: dict | None = None
         self.caps: dict[str, int] = {}
         self.stalls = 0
-        self.preempted: list[str] = []
-        """Requests preempted since the last recorded step."""
+        self.events: list[list] = []
+        """Preemptions and aborts since the last recorded step."""
+        self.ran: set[str] = set()
+        """Requests that were scheduled at least once."""
+        self.abort: Callable[[str], None] = self._abort_in_scheduler
+        """How a replay aborts a request (internal id); an engine whose
+        output processor tracks requests replaces it."""
         self._schedule = scheduler.schedule
         scheduler.schedule = self.schedule
         self._preempt = scheduler._preempt_request
         scheduler._preempt_request = self.preempt_request
+        self._finish = scheduler.finish_requests
+        scheduler.finish_requests = self.finish_requests
         manager = getattr(scheduler, "kv_cache_manager", None)
         self._computed = getattr(manager, "get_computed_blocks", None)
         if self._computed is not None:
@@ -83,40 +111,62 @@ class ScheduleTap:
 
     # ------------------------------------------------------------ control
 
-    def start(self, plan: Sequence[Step] | None = None) -> None:
+    def start(self, plan: Sequence[Step] | None = None, streaming: bool = False) -> None:
         """A new scenario: recording only (``plan`` None) or replaying
-        ``plan`` (the recorded steps of another engine)."""
+        ``plan`` (another engine's recorded steps; with ``streaming``, more
+        follow through ``extend``)."""
         self.keys, self.ids, self.steps = {}, {}, []
         self.plan = None if plan is None else deque(plan)
-        self.diverged, self.stalls, self.preempted = None, 0, []
+        self.streaming = streaming
+        self.diverged, self.stalls, self.events, self.ran = None, 0, [], set()
+
+    def extend(self, steps: Iterable[Step]) -> None:
+        """More recorded steps for a streaming replay."""
+        if self.plan is not None:
+            self.plan.extend(steps)
 
     def name(self, request_id: str, key: str) -> None:
-        """Give a request (internal id) its scenario key, before it runs."""
+        """Give a request (internal id) its key, before it runs."""
         self.keys[request_id] = key
         self.ids[key] = request_id
 
     def finish(self) -> dict | None:
-        """End of a replayed scenario: steps left over are a divergence."""
+        """End of a replay: steps left over are a divergence."""
         if self.plan and self.diverged is None:
             self._diverge({"left_over": len(self.plan), "wanted": self.plan[0]})
         return self.diverged
 
+    @property
+    def following(self) -> bool:
+        return self.plan is not None and (bool(self.plan) or self.streaming)
+
     # ---------------------------------------------------------- the hooks
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        want = self.plan[0] if self.plan else None
-        if want is None:
+        if not self.following:
             out = self._schedule(*args, **kwargs)
-        else:
-            out = self._paced(want, args, kwargs)
+            self._record(out)
+            return out
+        want = self.plan[0] if self.plan else []
+        out = self._paced(want, args, kwargs)
         step = self._record(out)
-        if want is not None:
+        if want:
             self._consume(want, step)
+        elif step is not None:
+            self._diverge({"unwanted": step})
         return out
 
     def preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        self.preempted.append(request.request_id)
+        self.events.append([self._key(request.request_id), 0, PREEMPTED])
         return self._preempt(request, *args, **kwargs)
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        """An abort from outside the scheduler (a client's, or a replay's):
+        recorded for the requests that had run."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+        if getattr(finished_status, "name", "") == "FINISHED_ABORTED":
+            self.events += [[self._key(r), 0, ABORTED] for r in ids if r in self.ran]
+        return self._finish(request_ids, finished_status)
 
     def get_computed_blocks(self, request: Any) -> Any:
         """vLLM's (blocks, computed tokens, shared-prefix boundary), the hit
@@ -131,15 +181,20 @@ class ScheduleTap:
 
     # ------------------------------------------------------------ details
 
+    def _key(self, request_id: str) -> str:
+        return self.keys.get(request_id, request_id)
+
     def _record(self, out: Any) -> Step | None:
         admitted = _admitted(out)
-        step = [[self.keys.get(rid, rid), int(n), int(admitted.get(rid, -1))]
+        step = [[self._key(rid), int(n), int(admitted.get(rid, -1))]
                 for rid, n in out.num_scheduled_tokens.items() if n]
         if not step:
             return None
-        step = [[self.keys.get(rid, rid), 0, PREEMPTED] for rid in self.preempted] + step
-        self.preempted = []
+        self.ran.update(out.num_scheduled_tokens)
+        step, self.events = self.events + step, []
         self.steps.append(step)
+        if self.sink is not None:
+            self.sink(step)
         return step
 
     def _consume(self, want: Step, step: Step | None) -> None:
@@ -148,7 +203,7 @@ class ScheduleTap:
         the next call's requests); one that scheduled anything consumes it."""
         if step is None:
             self.stalls += 1
-            if self.stalls >= self.STALL_LIMIT:
+            if self.stalls >= self.STALL_LIMIT and not self.streaming:
                 self._diverge({"stalled": self.stalls, "wanted": want})
             return
         self.stalls = 0
@@ -157,15 +212,15 @@ class ScheduleTap:
             self._diverge({"wanted": want, "got": step})
 
     def _diverge(self, what: dict) -> None:
-        """The first divergence is kept; the rest of the scenario runs on
-        the engine's own schedule."""
+        """The first divergence is kept; the rest runs on the engine's own
+        schedule."""
         if self.diverged is None:
             self.diverged = {"step": len(self.steps) - 1, **what}
-        self.plan = None
+        self.plan, self.streaming = None, False
 
     def _paced(self, want: Step, args: tuple, kwargs: Mapping) -> Any:
         s = self.sched
-        self._replay_preemptions(want)
+        self._apply_events(want)
         order = {self.ids.get(k, k): i for i, (k, n, _) in enumerate(want) if n}
         running = list(s.running)
         queues = [q for q in (s.waiting, getattr(s, "skipped_waiting", None)) if q is not None]
@@ -186,15 +241,16 @@ class ScheduleTap:
             for q, back in zip(queues, hidden):
                 _merge(q, back)
 
-
-    def _replay_preemptions(self, want: Step) -> None:
-        """Preempt, before this step's schedule, what the recorded engine
-        preempted since its previous step (once: a stalled call retries)."""
+    def _apply_events(self, want: Step) -> None:
+        """Preempt and abort, before this step's schedule, what the recorded
+        engine did since its previous step (once: a stalled call retries)."""
+        done = {(k, c) for k, _, c in self.events}
         for key, _, c in want:
-            if c != PREEMPTED:
+            if c not in EVENTS or (key, c) in done:
                 continue
             rid = self.ids.get(key, key)
-            if rid in self.preempted:
+            if c == ABORTED:
+                self.abort(rid)
                 continue
             request = next((r for r in self.sched.running if r.request_id == rid), None)
             if request is None:
@@ -202,6 +258,11 @@ class ScheduleTap:
                 return
             self.sched.running.remove(request)
             self.preempt_request(request, time.monotonic())
+
+    def _abort_in_scheduler(self, request_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.sched.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
 
 def _admitted(out: Any) -> dict[str, int]:
@@ -229,4 +290,4 @@ def _merge(queue: Any, back: list) -> None:
         queue.add_request(r)
 
 
-__all__ = ["ScheduleTap", "Step", "step_counts"]
+__all__ = ["ABORTED", "PREEMPTED", "ScheduleTap", "Step", "step_counts", "step_keys"]

@@ -20,11 +20,17 @@ Runs ON the GPU host (after ``eval "$(scripts/test-gpu.sh --print-env)"``):
    before the first token or mid-decode; /health and /metrics polled;
 5. drains, checks the idle state again and the server log, stops the server;
 6. the replay (HiSparse off, same weights, sparse_mla_force_mqa=True,
-   same chunking) reruns every completed request in turn-order waves, then
-   a subset again one request at a time after a prefix-cache reset: the off
-   arm's own batch-variance floor; plus the init's sensitivity control;
-7. writes DIR/soak.json: tokens must match exactly, logprobs are judged
-   bitwise and against the floor, no restart, no leak.
+   same chunking) follows the server's schedule while the load runs: the
+   server's engine core records every step (the test plugin's
+   ``HISPARSE_E2E_SCHEDULE_TRACE``: requests by the id the client gave
+   them, token counts, prefix hits, preemptions, client aborts), and the
+   replay's scheduler takes exactly those steps (schedule_replay.py,
+   docs/worker.md K28: vLLM's kernels are not batch-invariant, so only the
+   same batches can be compared bit for bit); plus the init's sensitivity
+   control;
+7. writes DIR/soak.json: the replay reproduced the server's schedule, every
+   completed request's tokens and logprobs equal bit for bit, no restart,
+   no leak.
 
 usage: python3 tests/e2e/soak.py --out DIR [--duration 360] [--variant NAME]
 """
@@ -44,10 +50,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import schedule_replay  # noqa: E402
 import seeded_init  # noqa: E402
 import soak_logic as logic  # noqa: E402
 
 PLUGIN = HERE / "seeded_weights"
+TRACE_ENV = "HISPARSE_E2E_SCHEDULE_TRACE"  # seeded_weights/hisparse_e2e_weights.py
 MAX_MODEL_LEN = 16384
 CHUNK = 2048
 MAX_NUM_SEQS = 8
@@ -87,12 +95,18 @@ def server_command(model: Path, port: int) -> list[str]:
             *hisparse_flags()]
 
 
-def child_env(variant: str) -> dict[str, str]:
+def child_env(variant: str, trace: Path | None = None) -> dict[str, str]:
     # The canonical top-k order in the server and in the replay (both arms
-    # of every comparison: vllm/v1/hisparse/determinism.py).
+    # of every comparison: vllm/v1/hisparse/determinism.py); request ids
+    # as the client gave them (the trace's keys); the server's schedule
+    # recorded to ``trace``.
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
                VLLM_SERVER_DEV_MODE="1", VLLM_HISPARSE_CANONICAL_TOPK="1",
+               VLLM_DISABLE_REQUEST_ID_RANDOMIZATION="1",
                **{seeded_init.VARIANT_ENV: variant})
+    env.pop(TRACE_ENV, None)
+    if trace is not None:
+        env[TRACE_ENV] = str(trace)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(PLUGIN), str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default
@@ -105,11 +119,12 @@ def child_env(variant: str) -> dict[str, str]:
 class Server:
     """The server process, its HTTP endpoints and its engine core's /proc."""
 
-    def __init__(self, model: Path, port: int, log_path: Path, variant: str) -> None:
+    def __init__(self, model: Path, port: int, log_path: Path, variant: str,
+                 trace: Path) -> None:
         self.port, self.log_path = port, log_path
         self.command = server_command(model, port)
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(self.command, env=child_env(variant),
+        self.proc = subprocess.Popen(self.command, env=child_env(variant, trace),
                                      stdout=self._log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
 
@@ -185,7 +200,8 @@ async def idle_state(server: Server, http) -> dict:
     keeps showing its last step: a 1-token probe request runs first, and
     its finish publishes the pool as it is then."""
     probe = await http.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0})
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0,
+        "request_id": f"probe-{time.time():.3f}"})
     await asyncio.sleep(1)  # the stats of the probe's last step
     reset, attempts = False, 0
     while not reset and attempts < 15:
@@ -211,10 +227,11 @@ class Load:
     """The seeded users against the server, plus the monitors."""
 
     def __init__(self, cfg: logic.SoakConfig, server: Server, openai_client, http,
-                 sink) -> None:
+                 feed) -> None:
         self.cfg, self.server, self.client, self.http = cfg, server, openai_client, http
-        self.sink = sink
-        """Called with every completed request (the replay's feed)."""
+        self.feed = feed
+        """Told of every request before it is sent and of every completed
+        one (the replay's feed)."""
         self.results: list[dict] = []
         self.inflight: dict[str, int] = {}
         self.max_demand = 0
@@ -239,10 +256,11 @@ class Load:
             self.inflight[action.id] = len(action.prompt) + action.max_tokens
             self.max_demand = max(self.max_demand, logic.demand_blocks(
                 self.inflight.values(), MAX_NUM_SEQS))
+            self.feed.sent(action)
             result = await self.send(action)
             del self.inflight[action.id]
             if result["outcome"] == "completed":
-                self.sink(result)
+                self.feed.add(result)
             user.outcome(action, result["outcome"] == "completed",
                          result.get("record", {}).get("tokens", []))
             self.results.append(result)
@@ -264,7 +282,8 @@ class Load:
 
     def _kwargs(self, action: logic.Action) -> dict:
         return dict(model="tiny", prompt=action.prompt, max_tokens=action.max_tokens,
-                    temperature=0, logprobs=TOP_LOGPROBS, extra_body=SAMPLING_EXTRA)
+                    temperature=0, logprobs=TOP_LOGPROBS,
+                    extra_body={**SAMPLING_EXTRA, "request_id": action.id})
 
     async def _plain(self, action: logic.Action, out: dict) -> None:
         call = self.client.completions.create(**self._kwargs(action))
@@ -365,16 +384,19 @@ async def drain(server: Server, http, timeout: float = 30.0) -> float:
 def replay_command(a, work: Path) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--replay-worker",
             "--out", str(a.out), "--work", str(work), "--model", str(a.model),
-            "--variant", a.variant, "--floor-requests", str(a.floor_requests),
-            "--deadline", str(a.deadline)]
+            "--variant", a.variant, "--deadline", str(a.deadline)]
+
+
+REPLAY_KV_BYTES = 16 << 30
+"""The off arm's pool: ~5.4M tokens, so that every prefix hit the server
+had (GPU or offloaded) is still cached here for the replay to cap at."""
 
 
 def replay_worker(a) -> int:
-    """The off arm, in its own process: build the engine, replay the
-    server's completed requests as they arrive (during the load: the replay
-    must not wait for it), then a subset one at a time after a prefix-cache
-    reset, measure the init's sensitivity, check that the plugin's weights
-    equal apply_model's."""
+    """The off arm, in its own process: build the engine, follow the
+    server's schedule while the load runs (``follow``), then measure the
+    init's sensitivity and check that the plugin's weights equal
+    apply_model's."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, str(PLUGIN))
     os.environ[seeded_init.VARIANT_ENV] = a.variant
@@ -391,13 +413,13 @@ def replay_worker(a) -> int:
               max_num_batched_tokens=CHUNK, max_num_seqs=MAX_NUM_SEQS, seed=0,
               generation_config="vllm", enable_prefix_caching=True,
               attention_config=AttentionConfig(sparse_mla_force_mqa=True),
-              kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.45)
+              kv_cache_memory_bytes=REPLAY_KV_BYTES, gpu_memory_utilization=0.45)
     out: dict = {"init_s": round(time.time() - t0, 1),
                  "defaults": run_e2e.resolved_defaults(llm)}
     (work / "replay.ready").write_text("ok")
-    out.update(replays(llm, work / "requests.jsonl", a))
+    out.update(follow(llm, work, a.deadline - 30))
     out["weights_fingerprint_plugin"] = digest(llm)
-    # Both below re-initialise through apply_model: after the replays only.
+    # Both below re-initialise through apply_model: after the replay only.
     if time.time() < a.deadline - 20:
         out["sensitivity"] = run_e2e.measure_sensitivity(llm, [a.variant])
     run_e2e.apply_variant(llm, a.variant)
@@ -410,61 +432,68 @@ def digest(llm) -> str:
     return llm.apply_model(seeded_init.fingerprint)[0]["digest"]
 
 
-def tail(path: Path, deadline: float):
-    """Batches of the requests the soak appends to ``path`` (one JSON line
-    each, then {"end": true}), as they arrive, until the end or the deadline."""
-    f, pending = None, b""
-    while time.time() < deadline:
-        if f is None and path.exists():
-            f = open(path, "rb")
-        data = f.read() if f is not None else b""
-        lines = (pending + data).split(b"\n")
-        pending = lines.pop()
-        batch = [json.loads(line) for line in lines if line.strip()]
-        if any(item.get("end") for item in batch):
-            yield [item for item in batch if not item.get("end")]
-            return
-        if batch:
-            yield batch
-        else:
-            time.sleep(0.5)
+class JsonLines:
+    """New complete lines of a file another process appends to."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.file, self.partial = path, None, b""
+
+    def read(self) -> list:
+        if self.file is None:
+            if not self.path.exists():
+                return []
+            self.file = open(self.path, "rb")
+        lines = (self.partial + self.file.read()).split(b"\n")
+        self.partial = lines.pop()
+        return [json.loads(line) for line in lines if line.strip()]
 
 
-def replays(llm, path: Path, a) -> dict:
-    """Replay A (every completed request, in arrival order, in batches of
-    whatever has arrived; a turn's parent arrives before it) and B (the
-    floor subset, one at a time, after a prefix-cache reset); prompts are
-    rebuilt from the server's outputs."""
+def follow(llm, work: Path, deadline: float) -> dict:
+    """The replay: the server's schedule (``trace.jsonl``, written by its
+    engine core) joined with the client's requests (``requests.jsonl``),
+    followed step by step by this engine's scheduler (a streaming
+    ScheduleTap) while the load still runs; every request enters once the
+    trace names it, with the server's exact prompt; client aborts are
+    replayed at their step. Returns the records of the requests that
+    finished, the followed and replayed schedules and where they
+    diverged."""
     import run_e2e
 
-    deadline = a.deadline - 30
-    prompts: dict[str, list[int]] = {}
-    outputs: dict[str, list[int]] = {}
-    requests: list[dict] = []
-    main, floor, t0, aborted = {}, {}, time.time(), None
-    try:
-        for batch in tail(path, deadline):
-            for item in batch:
-                r, outputs[item["id"]] = item["compact"], item["tokens"]
-                requests.append(r)
-                prompts.update(logic.rebuild_prompts([r], outputs, prompts))
-            for i in range(0, len(batch), 16):
-                part = [item["compact"] for item in batch[i:i + 16]]
-                recs = run_e2e.generate_records(llm, [prompts[r["id"]] for r in part],
-                                                [r["max_tokens"] for r in part], deadline + 20)
-                main.update({r["id"]: rec for r, rec in zip(part, recs)})
-        t1 = time.time()
-        llm.reset_prefix_cache()
-        for r in requests[:a.floor_requests]:
-            if time.time() > deadline + 15:
-                break
-            floor[r["id"]] = run_e2e.generate_records(
-                llm, [prompts[r["id"]]], [r["max_tokens"]], deadline + 25)[0]
-    except run_e2e.ScenarioAborted as err:  # out of time: what ran is reported
-        aborted, t1 = str(err), time.time()
-    return {"main": main, "floor": floor, "main_s": round(t1 - t0, 1),
-            "floor_s": round(time.time() - t1, 1), "received": len(requests),
-            "aborted": aborted}
+    engine = llm.llm_engine
+    tap = schedule_replay.ScheduleTap(run_e2e.core(llm).scheduler)
+    tap.start([], streaming=True)
+    tap.abort = lambda rid: engine.abort_request([rid], internal=True)
+    join, trace, feed = logic.TraceJoin(), JsonLines(work / "trace.jsonl"), \
+        JsonLines(work / "requests.jsonl")
+    records: dict[str, dict] = {}
+    t0 = time.time()
+    while time.time() < deadline and tap.plan is not None:  # None: diverged
+        for item in feed.read():
+            join.feed(item)
+        for step in trace.read():
+            join.trace(step)
+        for step, adds in join.ready():
+            for key, prompt, max_tokens in adds:
+                rid = engine.add_request(key, {"prompt_token_ids": prompt},
+                                         run_e2e.sampling(max_tokens))
+                tap.name(rid, key)
+            tap.extend([step])
+        busy = engine.has_unfinished_requests()
+        outs = engine.step() if busy else []
+        for o in outs:
+            if o.finished and o.outputs[0].finish_reason != "abort":
+                records[o.request_id] = logic.replay_record(o.outputs[0].token_ids,
+                                                            o.outputs[0].logprobs)
+        if join.ended and not join.pending and not tap.plan and not busy:
+            break  # the load is over and every step it recorded was followed
+        if not outs and not tap.plan:
+            time.sleep(0.02)  # waiting for the server's next steps
+    tap.streaming = False
+    left = [k for k in join.added if k not in records]
+    return {"records": records, "followed": join.kept, "replayed": tap.steps,
+            "diverged": tap.finish(), "skipped_steps": join.skipped,
+            "foreign_steps": join.foreign[:5], "pending_steps": len(join.pending),
+            "unfinished": left[:20], "follow_s": round(time.time() - t0, 1)}
 
 
 # ------------------------------------------------------------------ main
@@ -484,7 +513,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the weight variant the e2e gate chose (its e2e.json 'variant')")
     ap.add_argument("--budget", type=float, default=500.0,
                     help="seconds from start by which soak.json must be written")
-    ap.add_argument("--floor-requests", type=int, default=16)
     ap.add_argument("--port", type=int, default=8111)
     ap.add_argument("--replay-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -503,7 +531,8 @@ async def soak(a) -> dict:
     cfg = logic.SoakConfig(seed=a.seed, users=a.users, duration_s=a.duration,
                            max_model_len=MAX_MODEL_LEN)
     report: dict = {"config": asdict(cfg), "variant": a.variant, "gpu_blocks": GPU_BLOCKS}
-    server = Server(Path(a.model), a.port, out / "soak_server.log", a.variant)
+    server = Server(Path(a.model), a.port, out / "soak_server.log", a.variant,
+                    work / "trace.jsonl")
     report["command"] = " ".join(server.command)
     replay = None
     try:
@@ -516,14 +545,16 @@ async def soak(a) -> dict:
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY",
                                         max_retries=0, timeout=300)
             feed = Feed(work / "requests.jsonl")
-            load = Load(cfg, server, client, http, feed.add)
+            load = Load(cfg, server, client, http, feed)
             log("load: start", cfg)
             report["load_s"] = round(await load.run(), 1)
             report["drain_s"] = round(await drain(server, http), 1)
             report["idle_after"] = await idle_state(server, http)
             report["monitor"] = {"health": load.health, "peak": load.metrics_peak}
             report["pressure"] = {"max_demand_blocks": load.max_demand,
-                                  "gpu_blocks": GPU_BLOCKS}
+                                  "gpu_blocks": GPU_BLOCKS, "hisparse": logic.counter_deltas(
+                                      report["idle_before"]["metrics"],
+                                      report["idle_after"]["metrics"])}
             results = load.results
         report["log"] = logic.scan_log(server.log_text())
     except BaseException:
@@ -540,14 +571,21 @@ async def soak(a) -> dict:
 
 
 class Feed:
-    """Completed requests, one JSON line each, for the replay to tail."""
+    """Every request before it is sent (its compact form) and every
+    completed one (the server's output tokens), one JSON line each, for the
+    replay to tail (soak_logic.TraceJoin)."""
 
     def __init__(self, path: Path) -> None:
         self.file = open(path, "w")
 
+    def sent(self, action: logic.Action) -> None:
+        self._write({"id": action.id, "sent": action.compact()})
+
     def add(self, result: dict) -> None:
-        self.file.write(json.dumps({"compact": result["compact"], "id": result["id"],
-                                    "tokens": result["record"]["tokens"]}) + "\n")
+        self._write({"id": result["id"], "tokens": result["record"]["tokens"]})
+
+    def _write(self, item: dict) -> None:
+        self.file.write(json.dumps(item) + "\n")
         self.file.flush()
 
     def end(self) -> None:
@@ -568,13 +606,19 @@ def wait_replay(work: Path, proc, deadline: float) -> dict:
 
 def finish(report: dict, results: list[dict]) -> dict:
     """Comparisons, leaks, restarts, the verdict."""
-    server = {r["id"]: r["record"] for r in results if r["outcome"] == "completed"}
+    server = {logic.server_key(r["id"]): r["record"] for r in results
+              if r["outcome"] == "completed"}
     rep = report["replay"]
-    main, floor = rep.pop("main", {}), rep.pop("floor", {})
+    replayed = rep.pop("records", {})
+    followed, steps = rep.pop("followed", []), rep.pop("replayed", [])
     report["requests"] = asdict(logic.traffic(results))
-    report["mismatches"] = logic.compare_records(main, server)
+    report["mismatches"] = logic.compare_records(replayed, server)
     report["mismatches"]["compared_of"] = len(server)
-    report["floor"] = logic.compare_records(main, floor)
+    report["replay_schedule"] = {
+        "followed": bool(followed) and steps == followed and rep.get("diverged") is None,
+        "steps": [len(followed), len(steps)], "diverged": rep.get("diverged"),
+        "first_difference": next(({"step": i, "server": f, "replay": g} for i, (f, g)
+                                  in enumerate(zip(followed, steps)) if f != g), None)}
     report["sensitivity"] = rep.get("sensitivity", {})
     # The server's weights (plugin, at load) equal the gate's (apply_model).
     report["init_paths_agree"] = rep.get("weights_fingerprint_plugin") is not None and (
@@ -633,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    for stale in ("requests.jsonl", "replay.json", "replay.ready"):
+    for stale in ("requests.jsonl", "trace.jsonl", "replay.json", "replay.ready"):
         (work / stale).unlink(missing_ok=True)
     if not (Path(a.model) / "config.json").exists():
         subprocess.run([sys.executable, str(HERE / "make_tiny_glm5.py"), str(a.model),
@@ -647,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = round(time.time() - t0, 1)
     (out / "soak.json").write_text(json.dumps(report, indent=1))
     log("soak:", {k: report.get(k) for k in ("pass", "checks", "requests", "mismatches",
-                                             "floor", "leaks", "restarts", "wall_s")})
+                                             "replay_schedule", "leaks", "restarts",
+                                             "wall_s")})
     return 0 if report.get("pass") else 1
 
 

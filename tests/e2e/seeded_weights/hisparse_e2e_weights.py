@@ -9,12 +9,20 @@ tiny model's state dict holds views that vLLM's sharded-state saver cannot
 write). The variant comes from ``HISPARSE_E2E_VARIANT`` (default: the
 module's first). Put this folder on PYTHONPATH; vLLM discovers it through
 its ``vllm.general_plugins`` entry point.
+
+With ``HISPARSE_E2E_SCHEDULE_TRACE=<path>`` it also records the schedule of
+every scheduler the process builds (the server's engine core), one JSON
+line per step (tests/e2e/schedule_replay.py): the soak's off arm follows
+it (docs/worker.md K28).
 """
 
+import json
+import os
 import sys
 from pathlib import Path
 
 _E2E = str(Path(__file__).resolve().parents[1])
+TRACE_ENV = "HISPARSE_E2E_SCHEDULE_TRACE"
 
 
 def register() -> None:
@@ -26,6 +34,9 @@ def register() -> None:
         sys.path.insert(0, _E2E)
     import seeded_init
 
+    if os.environ.get(TRACE_ENV):
+        trace_schedulers(os.environ[TRACE_ENV])
+
     logger = init_logger(__name__)
 
     @register_model_loader("hisparse_seeded")
@@ -34,3 +45,24 @@ def register() -> None:
             super().load_weights(model, model_config)
             summary = seeded_init.apply(model, seeded_init.variant_from_env().name)
             logger.info("hisparse_seeded weights: %s", summary["variant"])
+
+
+def trace_schedulers(path: str) -> None:
+    """Every vLLM Scheduler built from now on records its steps to
+    ``path`` (appended, a line per step, flushed: a replay tails it)."""
+    import schedule_replay
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler, "_hs_traced", False):
+        return
+    init = Scheduler.__init__
+
+    def traced_init(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        out = open(path, "a", buffering=1)  # noqa: SIM115 - lives with the scheduler
+        self._hs_tap = schedule_replay.ScheduleTap(
+            self, sink=lambda step: out.write(json.dumps(step) + "\n"))
+        self._hs_tap.start()
+
+    Scheduler.__init__ = traced_init
+    Scheduler._hs_traced = True

@@ -80,6 +80,8 @@ def make_app(state: dict) -> FastAPI:
     async def completions(request: Request):
         body = await request.json()
         positions = fake_model(body["prompt"], body["max_tokens"])
+        # vLLM's completion request field: the engine's request id
+        state["request_ids"].append(body["request_id"])
         if "logprobs" not in body:  # the soak's idle probe
             state["probes"] += 1
             return JSONResponse({"choices": [{"index": 0, "text": "x",
@@ -121,7 +123,7 @@ class FakeServer:
 
     def __init__(self, port: int) -> None:
         self.state = {"usage": 0.0, "running": 0, "requests": 0, "disconnects": 0,
-                      "probes": 0}
+                      "probes": 0, "request_ids": []}
         self.url = f"http://127.0.0.1:{port}"
         config = uvicorn.Config(make_app(self.state), host="127.0.0.1", port=port,
                                 log_level="warning")

@@ -58,6 +58,9 @@ class Scheduler:
     def _preempt_request(self, *a) -> None:
         pass
 
+    def finish_requests(self, *a) -> list:
+        return []
+
     def schedule(self, *a):
         split = self.owner.hisparse and self.owner.skew.get("schedule")
         budget = self.max_num_scheduled_tokens

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import schedule_replay as replay
+from vllm.v1.request import RequestStatus
 
 from tests.hisparse.scheduler.harness import (
     AsyncDriver,
@@ -209,3 +210,61 @@ def test_replay_preempts_what_host_exhaustion_preempted(tmp_path, async_scheduli
                    calls, "rep", plan=recorded)
     assert tap.diverged is None
     assert replayed == recorded
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_streamed_replay_follows_a_schedule_with_client_aborts(arms, async_scheduling):
+    """The soak's replay (R5): the server's schedule arrives a few steps at
+    a time while the replay runs, and clients abort requests mid-prefill and
+    mid-decode (the abort is recorded at the next step and replayed there);
+    a request aborted before it ever ran changes no batch and is not
+    recorded."""
+    (s, d), baseline = arms(async_scheduling)
+    sink: list = []
+    tap = replay.ScheduleTap(s, sink=sink.append)
+    tap.start()
+    rng = random.Random(9)
+    reqs = {f"q{i}": [rng.randint(2, 900) for _ in range(n)]
+            for i, n in enumerate((1200, 700, 900, 400, 300))}
+    for key, prompt in reqs.items():
+        r = make_request(f"{key}-on", prompt, 40)
+        tap.name(r.request_id, key)
+        s.add_request(r)
+    aborts = {3: "q0-on", 12: "q1-on", 0: "q4-on"}  # mid-prefill, mid-decode, never ran
+    steps = 0
+    while d.busy():
+        if steps in aborts:
+            s.finish_requests([aborts[steps]], RequestStatus.FINISHED_ABORTED)
+        d.step()
+        steps += 1
+        assert steps < 5000
+    recorded = list(tap.steps)
+    assert sink == recorded
+    events = [e for step in recorded for e in step if e[2] == replay.ABORTED]
+    assert [e[0] for e in events] == ["q0", "q1"]
+
+    b, bd = baseline()
+    rtap = replay.ScheduleTap(b)
+    rtap.start([], streaming=True)
+    for key in dict.fromkeys(k for step in recorded for k in replay.step_keys(step)):
+        # as the soak's driver: a request enters the replay once the trace
+        # names it (q4, aborted before it ran, never does)
+        r = make_request(f"{key}-rep", reqs[key], 40)
+        rtap.name(r.request_id, key)
+        b.add_request(r)
+    fed, steps = 0, 0
+    while fed < len(recorded) or rtap.plan:
+        if steps % 4 == 0:
+            rtap.extend(recorded[fed:fed + 3])  # the trace arrives in pieces
+            fed += 3
+        bd.step()
+        steps += 1
+        assert steps < 5000
+    rtap.streaming = False
+    while bd.busy():
+        bd.step()
+        steps += 1
+        assert steps < 5000
+    assert rtap.finish() is None
+    assert rtap.steps == recorded
+    assert "q4-rep" not in b.requests and not b.requests

@@ -44,7 +44,7 @@ def run(tmp_path_factory):
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY",
                                         max_retries=0, timeout=30)
             feed = soak.Feed(feed_path)
-            load = soak.Load(CFG, server, client, http, feed.add)
+            load = soak.Load(CFG, server, client, http, feed)
             load_s = await load.run()
             await soak.drain(server, http)
             idle = await soak.idle_state(server, http)
@@ -71,18 +71,24 @@ def test_every_kind_of_request_ran(run):
 
 
 def test_completed_answers_equal_a_replay_of_their_prompts(run):
-    load, _, _, feed_path, _ = run
+    """The feed announces every request before it is sent and gives every
+    completed one's output; from it the replay rebuilds the server's exact
+    prompts (R5)."""
+    load, _, _, feed_path, state = run
     items = [json.loads(line) for line in feed_path.read_text().splitlines()]
     assert items[-1] == {"end": True}
-    items = items[:-1]
+    sent = {i["id"]: i["sent"] for i in items[:-1] if "sent" in i}
+    outputs = {i["id"]: i["tokens"] for i in items[:-1] if "tokens" in i}
+    assert set(sent) == {r["id"] for r in load.results}
     done = [r for r in load.results if r["outcome"] == "completed"]
-    assert [i["id"] for i in items] == [r["id"] for r in done]
-    outputs = {i["id"]: i["tokens"] for i in items}
-    prompts = sl.rebuild_prompts([i["compact"] for i in items], outputs)
+    assert set(outputs) == {r["id"] for r in done}
+    # every answered request reached the server under the id the client gave it
+    assert {r["id"] for r in done} <= set(state["request_ids"])
+    prompts = sl.rebuild_prompts([sent[r["id"]] for r in done], outputs)
     replay = {}
-    for i in items:
-        positions = fake_model(prompts[i["id"]], i["compact"]["max_tokens"])
-        replay[i["id"]] = sl.replay_record(
+    for r in done:
+        positions = fake_model(prompts[r["id"]], sent[r["id"]]["max_tokens"])
+        replay[r["id"]] = sl.replay_record(
             [t for t, _ in positions], [{k: Lp(v) for k, v in lps.items()}
                                         for _, lps in positions])
     server = {r["id"]: r["record"] for r in done}

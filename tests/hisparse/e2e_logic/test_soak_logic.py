@@ -71,18 +71,42 @@ def test_the_mix_has_every_kind_of_request():
             assert a.stream and 1 <= a.after <= a.max_tokens
 
 
-def test_prompts_rebuild_from_the_compact_form_and_waves_follow_turns():
+def test_prompts_rebuild_from_the_compact_form():
     actions = run_users(n=80)
     done = [a for a, ok in actions if ok]
     outputs = {a.id: [9] * 5 for a in done}
     prompts = sl.rebuild_prompts([a.compact() for a in done], outputs)
     assert all(prompts[a.id] == a.prompt for a in done)
-    waves = sl.replay_waves([a.compact() for a in done])
-    assert [w[0]["turn"] for w in waves] == sorted({a.turn for a in done})
-    seen = set()
-    for wave in waves:
-        assert all(r["parent"] is None or r["parent"] in seen for r in wave)
-        seen |= {r["id"] for r in wave}
+
+
+def compact(rid, parent=None, new=(5, 6), max_tokens=2):
+    return {"id": rid, "conv": "c", "turn": 0, "parent": parent, "new": list(new),
+            "max_tokens": max_tokens}
+
+
+def test_the_trace_join_adds_requests_when_their_prompt_is_known():
+    """R5's replay follows the server's steps; a step enters only when
+    every request it names can be added with the server's exact prompt (a
+    follow-up waits for its parent's output); the idle probes' steps are
+    skipped; a step mixing them with the load is reported."""
+    a, b = sl.server_key("a"), sl.server_key("b")
+    j = sl.TraceJoin()
+    j.feed({"id": "a", "sent": compact("a")})
+    j.trace([["probe-1", 3, 0]])
+    j.trace([[a, 2, 0]])
+    j.trace([[a, 1, -1]])
+    j.feed({"id": "b", "sent": compact("b", parent="a", new=(7,), max_tokens=3)})
+    j.trace([[a, 1, -1], [b, 5, 0]])
+    j.trace([["probe-2", 1, 0], [b, 1, -1]])
+    ready = j.ready()
+    assert [adds for _, adds in ready] == [[(a, [5, 6], 2)], []]
+    assert j.skipped == 1 and len(j.foreign) == 1 and len(j.pending) == 1
+    j.feed({"id": "a", "tokens": [11, 12]})
+    (step, adds), = j.ready()
+    assert step == [[a, 1, -1], [b, 5, 0]] and adds == [(b, [5, 6, 11, 12, 7], 3)]
+    assert j.kept == [[[a, 2, 0]], [[a, 1, -1]], step] and not j.pending
+    j.feed({"end": True})
+    assert j.ended
 
 
 @dataclass
@@ -143,18 +167,6 @@ def test_canonical_position_is_a_set_with_the_sampled_token():
         sl.token_id("w123")
 
 
-@pytest.mark.parametrize("main,floor,ok", [
-    ((0, 0.0), (0, 0.0), True),
-    ((1, 1e-7), (0, 0.0), False),  # a bit-exact off arm: the server must be too
-    ((3, 5e-4), (2, 1e-4), True),
-    ((3, 5e-3), (2, 1e-4), False),
-])
-def test_logprobs_are_judged_against_the_floor(main, floor, ok):
-    m = {"logprob_mismatches": main[0], "max_abs_logprob_diff": main[1]}
-    f = {"logprob_mismatches": floor[0], "max_abs_logprob_diff": floor[1]}
-    assert sl.logprobs_within_floor(m, f) is ok
-
-
 def test_parsers():
     text = ('# HELP vllm:kv_cache_usage_perc x\n'
             'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25\n'
@@ -179,7 +191,7 @@ def test_demand_counts_the_running_requests_fully_resident():
 def good_run():
     """Fake soak results and replay that pass every check."""
     rng = random.Random(5)
-    results, main = [], {}
+    results, main, steps = [], {}, []
     kinds = [("completed", True), ("completed", False), ("before_first_token", True),
              ("during_decode", True), ("cancelled", False)]
     for i, (outcome, stream) in enumerate(kinds * 2):
@@ -187,17 +199,20 @@ def good_run():
              "tokens_received": 6, "t_start": i}
         if outcome == "completed":
             replay, server = both_sides(rng)
-            r["record"], main[r["id"]] = server, replay
+            r["record"], main[sl.server_key(r["id"])] = server, replay
+        steps.append([[sl.server_key(r["id"]), 100, 0]])
         results.append(r)
     idle = {"reset_prefix_cache": True, "kv_cache_usage_perc": 0.0, "running": 0.0,
             "waiting": 0.0, "engine_pid": 42, "proc": {"VmLck": 0, "VmPin": 0}}
     report = {"config": {"duration_s": 360.0}, "load_s": 361.0,
-              "pressure": {"max_demand_blocks": 2000, "gpu_blocks": 550},
+              "pressure": {"max_demand_blocks": 2000, "gpu_blocks": 550, "hisparse": {
+                  "vllm:hisparse_lost_pages_total": 40.0,
+                  "vllm:hisparse_l3_lookups_total": 9000.0}},
               "idle_before": idle, "idle_after": copy.deepcopy(idle), "server_alive_at_end": True,
               "log": {"engine_core_pids": [42]},
               "monitor": {"health": {"polls": 100, "failures": 0}},
-              "replay": {"main": main, "floor": dict(list(main.items())[:2]),
-                         "sensitivity": {"meets": True},
+              "replay": {"records": main, "followed": steps, "replayed": copy.deepcopy(steps),
+                         "diverged": None, "sensitivity": {"meets": True},
                          "weights_fingerprint_plugin": "ab",
                          "weights_fingerprint_apply_model": "ab"}}
     return report, results
@@ -224,9 +239,19 @@ def test_a_clean_soak_passes():
     (lambda r, x: r.update(server_alive_at_end=False), "no_restart"),
     (lambda r, x: r.update(load_s=300.0), "ran_long_enough"),
     (lambda r, x: r["pressure"].update(max_demand_blocks=100), "under_pressure"),
-    (lambda r, x: r["replay"]["main"].pop("r0"), "replay_complete"),
+    (lambda r, x: r["pressure"]["hisparse"].pop("vllm:hisparse_lost_pages_total"),
+     "under_pressure"),
+    (lambda r, x: r["pressure"]["hisparse"].update({"vllm:hisparse_l3_lookups_total": 0.0}),
+     "under_pressure"),
+    (lambda r, x: r["replay"]["records"].pop(sl.server_key("r0")), "replay_complete"),
     (lambda r, x: x[0]["record"]["tokens"].__setitem__(0, 1), "tokens_identical"),
-    (lambda r, x: r["replay"].update(floor={}), "floor_measured"),
+    (lambda r, x: x[0]["record"]["positions"][2].__setitem__(0, (-1.0).hex()),
+     "logprobs_bitwise"),
+    (lambda r, x: r["replay"]["replayed"][1][0].__setitem__(1, 99),
+     "replay_followed_the_schedule"),
+    (lambda r, x: r["replay"].update(diverged={"step": 3}), "replay_followed_the_schedule"),
+    (lambda r, x: r["replay"].update(followed=[], replayed=[]),
+     "replay_followed_the_schedule"),
     (lambda r, x: r["replay"].update(sensitivity={"meets": False}), "sensitive_init"),
     (lambda r, x: r["replay"].update(weights_fingerprint_apply_model="cd"), "init_paths_agree"),
     (lambda r, x: x.append({"id": "e", "outcome": "error", "stream": True}),
@@ -254,74 +279,25 @@ def test_soak_arguments():
     assert flags["--load-format"] == "hisparse_seeded"
     assert int(flags["--num-gpu-blocks-override"]) == soak.GPU_BLOCKS
     assert int(flags["--max-num-batched-tokens"]) == soak.CHUNK
+    # the server records its schedule under the client's request ids; the
+    # replay (same env otherwise) must not write that trace
+    server_env = soak.child_env("n02", soak.Path("/w/trace.jsonl"))
+    assert server_env[soak.TRACE_ENV] == "/w/trace.jsonl"
+    assert server_env["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] == "1"
+    assert soak.TRACE_ENV not in soak.child_env("n02")
 
 
-def test_the_replay_tails_the_feed_across_partial_lines(tmp_path):
-    """The replay reads completed requests while the soak writes them."""
-    import threading
-    import time
-
-    path = tmp_path / "feed.jsonl"
-
-    def write():
-        time.sleep(0.2)
-        with open(path, "w") as f:
-            for i in range(4):
-                f.write(json.dumps({"id": i}))
-                f.flush()
-                time.sleep(0.1)
-                f.write("\n")
-                f.flush()
-            f.write(json.dumps({"end": True}) + "\n")
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    got = [x["id"] for batch in soak.tail(path, time.time() + 20) for x in batch]
-    writer.join()
-    assert got == [0, 1, 2, 3]
-    assert list(soak.tail(tmp_path / "never", time.time() + 0.2)) == []  # the deadline
-
-
-def test_the_replay_rebuilds_turns_from_the_feed_and_measures_the_floor(tmp_path):
-    """soak.replays on a stand-in engine: every fed request replayed with
-    its rebuilt prompt (a child's = parent prompt + parent output + new),
-    then the floor subset one at a time after a prefix-cache reset."""
-    import time
-    from types import SimpleNamespace
-
-    from test_gate_flow import FakeLLM
-
-    class Recording(FakeLLM):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            self.seen, self.resets = [], 0
-
-        def enqueue(self, prompts, params, use_tqdm=False):
-            self.seen.append([p["prompt_token_ids"] for p in prompts])
-            return super().enqueue(prompts, params, use_tqdm)
-
-        def reset_prefix_cache(self):
-            self.resets += 1
-            return True
-
-    FakeLLM.skew = {}
-    llm = Recording(attention_config=SimpleNamespace(hisparse_config=None),
-                    max_num_batched_tokens=2048, max_model_len=16384)
-    compact = {"a": {"id": "a", "conv": "c0", "turn": 0, "parent": None, "new": [5, 6],
-                     "max_tokens": 2},
-               "b": {"id": "b", "conv": "c0", "turn": 1, "parent": "a", "new": [7],
-                     "max_tokens": 3},
-               "c": {"id": "c", "conv": "c1", "turn": 0, "parent": None, "new": [8, 9, 10],
-                     "max_tokens": 2}}
-    outputs = {"a": [11, 12], "b": [13, 14, 15], "c": [16, 17]}
-    feed = soak.Feed(tmp_path / "feed.jsonl")
-    for rid in "abc":
-        feed.add({"id": rid, "compact": compact[rid], "record": {"tokens": outputs[rid]}})
-    feed.end()
-    out = soak.replays(llm, tmp_path / "feed.jsonl",
-                       SimpleNamespace(deadline=time.time() + 60, floor_requests=2))
-    assert out["aborted"] is None and out["received"] == 3
-    assert set(out["main"]) == {"a", "b", "c"} and set(out["floor"]) == {"a", "b"}
-    assert llm.seen[0] == [[5, 6], [5, 6, 11, 12, 7], [8, 9, 10]]  # one batch, as fed
-    assert llm.seen[1:] == [[[5, 6]], [[5, 6, 11, 12, 7]]] and llm.resets == 1
-    assert all(len(out["main"][r]["tokens"]) == compact[r]["max_tokens"] for r in "abc")
+def test_json_lines_reads_only_complete_lines(tmp_path):
+    """The replay reads the server's trace and the client's feed while
+    their writers append (a line may be half written)."""
+    path = tmp_path / "trace.jsonl"
+    lines = soak.JsonLines(path)
+    assert lines.read() == []  # not created yet
+    with open(path, "w") as f:
+        f.write(json.dumps([["a", 1, -1]]) + "\n" + '[["b", 2')
+        f.flush()
+        assert lines.read() == [[["a", 1, -1]]]
+        f.write(', 0]]\n')
+        f.flush()
+        assert lines.read() == [[["b", 2, 0]]]
+        assert lines.read() == []

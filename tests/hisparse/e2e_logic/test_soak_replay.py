@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The soak's replay (R5, tests/e2e/soak.py follow(), docs/worker.md K28)
+on vLLM's real schedulers: a "server" (HiSparse's scheduler under
+pressure, async, with the simulated worker) records its schedule through
+the test plugin's hook while a client feeds requests, a follow-up after its
+parent's answer and an abort mid-prefill; the replay (a HiSparse-off
+scheduler in an engine stand-in) follows the recorded steps and finishes
+every request the server finished with the same tokens."""
+
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import run_e2e
+import soak
+import soak_logic as sl
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from tests.hisparse.scheduler.harness import (  # noqa: I001
+    AsyncDriver,
+    SimWorker,
+    baseline_kv_cache_config,
+    hisparse_kv_cache_config,
+    make_request,
+    make_scheduler,
+    model_output,
+)
+
+
+# The plugin module by path: its folder on sys.path would let vLLM's entry
+# point discovery load it into every later test's process.
+_spec = importlib.util.spec_from_file_location(
+    "hisparse_e2e_weights", soak.PLUGIN / "hisparse_e2e_weights.py")
+plugin = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plugin)
+
+
+def action(rid, prompt, max_tokens, parent=None, new=None):
+    return sl.Action(id=rid, user=0, conv=rid, turn=0 if parent is None else 1, parent=parent,
+                     new=list(new if new is not None else prompt), prompt=list(prompt),
+                     max_tokens=max_tokens, stream=True, disconnect=None, after=0.0, think_s=0.0)
+
+
+class Engine:
+    """What follow() uses of vLLM's LLMEngine, over a real scheduler with
+    the async engine loop (one step in flight)."""
+
+    def __init__(self, scheduler) -> None:
+        self.s = scheduler
+        self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
+        self.in_flight = None
+        self.external, self.tokens = {}, {}
+
+    def add_request(self, key, prompt, params) -> str:
+        r = make_request(f"{key}-replay", prompt["prompt_token_ids"], params.max_tokens)
+        self.s.add_request(r)
+        self.external[r.request_id], self.tokens[r.request_id] = key, []
+        return r.request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.s.has_unfinished_requests() or self.in_flight is not None
+
+    def step(self) -> list:
+        so = self.s.schedule()
+        outs = []
+        if self.in_flight is not None:
+            prev = self.in_flight
+            for eco in self.s.update_from_output(prev, model_output(self.s, prev, None)).values():
+                for o in eco.outputs:
+                    self.tokens[o.request_id] += o.new_token_ids
+                    if o.finish_reason is not None:
+                        toks = self.tokens[o.request_id]
+                        outs.append(SimpleNamespace(
+                            request_id=self.external[o.request_id], finished=True,
+                            outputs=[SimpleNamespace(
+                                token_ids=toks, finish_reason="length",
+                                logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in toks])]))
+        self.in_flight = so if so.num_scheduled_tokens else None
+        return outs
+
+    def abort_request(self, ids, internal=False) -> None:
+        assert internal
+        self.s.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+
+def serve(tmp_path, monkeypatch):
+    """The recorded side: a HiSparse scheduler built after the plugin's
+    hook, a client that feeds and sends, a follow-up and an abort."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(Scheduler, "__init__", Scheduler.__init__)  # undone after the test
+    monkeypatch.setattr(Scheduler, "_hs_traced", False, raising=False)
+    plugin.trace_schedulers(str(work / "trace.jsonl"))
+    s = make_scheduler(tmp_path / "server", hisparse_kv_cache_config(
+        num_gpu_blocks=100, num_host_blocks=400), async_scheduling=True,
+        max_num_batched_tokens=256)
+    monkeypatch.undo()  # the replay's scheduler must not write the server's trace
+    assert isinstance(s._hs_tap, soak.schedule_replay.ScheduleTap)
+    d = AsyncDriver(s, SimWorker(s))
+    feed = soak.Feed(work / "requests.jsonl")
+
+    def send(act):
+        feed.sent(act)
+        r = make_request(sl.server_key(act.id), act.prompt, act.max_tokens)
+        s.add_request(r)
+        return r
+
+    pa, pc, pd = ([(i * k) % 900 + 2 for i in range(n)]
+                  for k, n in ((7, 900), (11, 700), (13, 1000)))
+    probe = make_request("probe-1", [5, 6, 7], 1)  # idle: not the client's
+    s.add_request(probe)
+    while d.busy():
+        d.step()
+    a, c, dd = send(action("a", pa, 20)), send(action("c", pc, 12)), send(action("d", pd, 8))
+    steps, b = 0, None
+    while d.busy() or b is None:
+        if 0 < dd.num_computed_tokens < len(pd) and not dd.is_finished():
+            s.finish_requests([dd.request_id], RequestStatus.FINISHED_ABORTED)  # mid-prefill
+        if b is None and a.is_finished():
+            feed.add({"id": "a", "record": {"tokens": list(a.output_token_ids)}})
+            new = [3, 4, 5] * 40
+            b = send(action("b", pa + list(a.output_token_ids) + new, 16, parent="a", new=new))
+        d.step()
+        steps += 1
+        assert steps < 5000
+    for rid, r in (("b", b), ("c", c)):
+        feed.add({"id": rid, "record": {"tokens": list(r.output_token_ids)}})
+    feed.end()
+    assert s.kv_cache_manager.coordinator.hisparse.stats.lost_pages > 0  # under pressure
+    return work, {sl.server_key(k): list(r.output_token_ids)
+                  for k, r in (("a", a), ("b", b), ("c", c))}
+
+
+def test_the_replay_follows_the_server_and_finishes_what_it_finished(tmp_path, monkeypatch):
+    work, served = serve(tmp_path, monkeypatch)
+    trace = [json.loads(line) for line in (work / "trace.jsonl").read_text().splitlines()]
+    assert trace[0] == [["probe-1", 3, 0]]
+    assert [e[0] for step in trace for e in step if e[2] == soak.schedule_replay.ABORTED] == [
+        sl.server_key("d")]
+
+    b = make_scheduler(tmp_path / "replay", baseline_kv_cache_config(num_gpu_blocks=2000),
+                       async_scheduling=True, max_num_batched_tokens=256)
+    llm = SimpleNamespace(llm_engine=Engine(b))
+    assert run_e2e.core(llm).scheduler is b
+    out = soak.follow(llm, work, deadline=soak.time.time() + 60)
+    assert out["diverged"] is None and out["skipped_steps"] == 1 and not out["foreign_steps"]
+    assert out["followed"] == trace[1:] and out["replayed"] == out["followed"]
+    assert {k: r["tokens"] for k, r in out["records"].items()} == served
+    assert out["unfinished"] == [sl.server_key("d")]  # aborted, as on the server

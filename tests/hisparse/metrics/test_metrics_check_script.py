@@ -70,3 +70,27 @@ def test_check_passes_and_fails_where_it_should(script):
     assert any("lookups_total did not move" in f for f in script.check(arms(stuck, {})))
     leaked = script.check(arms(moved, {"vllm:hisparse_l3_lookups_total": 3.0}))
     assert any(f.startswith("calm: vllm:hisparse_l3_lookups_total") for f in leaked)
+
+
+def test_the_pressure_arm_sends_a_request_the_pool_cannot_hold(script):
+    """Issue 17 item 3: on the H200 (results/e2e run 12) the pressure
+    server's 5K, 3K and 0.7K prompts each fit its 450-block pool and no
+    counter moved. Its first prompt is now the gate's single12k shape,
+    which the real scheduler (simulated worker) cannot keep resident at the
+    same pool and chunk: pages are lost and rows come from the host."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import serve_check
+    import simulate_pressure
+    from e2e_workload import scenario
+
+    assert "--num-gpu-blocks-override" in serve_check.HISPARSE_FLAGS
+    blocks = int(serve_check.HISPARSE_FLAGS[
+        serve_check.HISPARSE_FLAGS.index("--num-gpu-blocks-override") + 1])
+    spec = simulate_pressure.engine_specs()["on_c2k"]
+    assert (blocks, serve_check.CHUNK) == (spec["blocks"], spec["chunk"])
+    (turn,), = scenario("single12k")
+    assert script.PROMPT_LENS[0] == len(turn.new)
+    got = simulate_pressure.simulate("on_c2k", "single12k", host_blocks=12000)
+    assert got["finished"] and got["lost_pages"] > 0

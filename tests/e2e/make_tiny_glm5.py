@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Write a tiny GLM-5-architecture (GlmMoeDsaForCausalLM) model directory.
+"""Write a tiny DSA model directory: GLM-5 architecture (GlmMoeDsaForCausalLM,
+the default) or DeepSeek-V3.2 (DeepseekV32ForCausalLM, ``--arch dsv32``).
 
 config.json + an offline WordLevel tokenizer (spec 8.4). Weights are not
 written here: the e2e driver loads vLLM's dummy weights and re-initialises
@@ -10,15 +11,22 @@ T1); `vllm serve` gets the same through the hisparse_seeded load format
 (kv_lora_rank 512 + rope 64 = 576, index head dim 128): the FlashMLA sparse
 kernels hard-code them.
 
-usage: python3 make_tiny_glm5.py OUTDIR [--topk 256] [--heads 64]
-           [--layers 4] [--index-topk-freq 1]
+DeepSeek-V3.2's shapes scaled down the same way (issue 17 item 4): its
+attention (q_lora, qk_nope 128, v_head 128, 64 indexer heads), its router
+(grouped sigmoid top-k with a score correction), its YaRN RoPE (scaled to
+max_position_embeddings), and index_topk 2048 as in its config family.
+
+usage: python3 make_tiny_glm5.py OUTDIR [--arch glm5|dsv32] [--topk N]
+           [--heads 64] [--layers 4] [--index-topk-freq 1]
 Adapted from the team's shared device recipe (shared/device/make_tiny_glm5.py).
 """
 import argparse, json, os
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
-ap.add_argument("--topk", type=int, default=256)
+ap.add_argument("--arch", choices=("glm5", "dsv32"), default="glm5")
+ap.add_argument("--topk", type=int, default=None,
+                help="index_topk (default 256 for glm5, 2048 for dsv32)")
 ap.add_argument("--heads", type=int, default=64)
 ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--hidden", type=int, default=1024)
@@ -27,6 +35,8 @@ ap.add_argument("--max-pos", type=int, default=16384)
 ap.add_argument("--index-topk-freq", type=int, default=1,
                 help="IndexShare: >1 makes some layers reuse the previous top-k")
 a = ap.parse_args()
+if a.topk is None:
+    a.topk = 2048 if a.arch == "dsv32" else 256
 os.makedirs(a.out, exist_ok=True)
 
 cfg = {
@@ -76,6 +86,34 @@ cfg = {
 }
 if a.index_topk_freq > 1:
     cfg["index_topk_freq"] = a.index_topk_freq
+if a.arch == "dsv32":
+    # deepseek-ai/DeepSeek-V3.2-Exp's config.json, scaled: 61 -> a.layers
+    # layers, hidden 7168 -> a.hidden, 128 -> a.heads heads, q_lora 1536 ->
+    # 768, 256 -> 16 routed experts in 8 -> 4 groups (4 -> 2 per token's
+    # groups, 8 -> 4 experts per token); the MLA and indexer dims it shares
+    # with GLM-5 (kv_lora 512, rope 64, index_head_dim 128) are kept.
+    for key in ("indexer_rope_interleave", "rope_interleave", "head_dim"):
+        cfg.pop(key)
+    cfg.update({
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "model_type": "deepseek_v32",
+        "q_lora_rank": 768,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "index_n_heads": 64,
+        "n_routed_experts": 16,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 4,
+        "first_k_dense_replace": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": a.max_pos / 4096,
+                         "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+    })
+    cfg.pop("rope_parameters")
 json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=1)
 
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders

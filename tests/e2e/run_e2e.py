@@ -87,6 +87,12 @@ BASE = dict(
 OFF_KV_BYTES = 2 << 30  # HiSparse off: ~680K tokens, nothing preempted
 NUM_PAIRS = 4  # resident/hot group pairs of the 4-layer model (656-B rows)
 INDEX_TOPK = 256
+MODELS = {  # name -> make_tiny_glm5.py arguments, index_topk
+    "glm": ([], INDEX_TOPK),
+    "glm_share": (["--index-topk-freq", "2"], INDEX_TOPK),
+    # DeepSeek-V3.2 (issue 17 item 4): the second DSA architecture, top-k 2048
+    "dsv32": (["--arch", "dsv32"], 2048),
+}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -108,6 +114,9 @@ def startup_minimum_blocks(max_model_len: int, chunk: int, pairs: int = NUM_PAIR
 # A little above the minimum (424 at 2048, 808 at 8192): a 6K prompt
 # fully resident costs 94 x 5 = 470 blocks, a 12K one 940.
 PRESSURE_BLOCKS = {2048: 450, 8192: 840}
+# DeepSeek-V3.2's top-k 2048 makes each hot region 64 blocks: minimum 648
+# at chunk 2048; a 6K prompt fully resident with its regions costs 726.
+DSV32_PRESSURE_BLOCKS = 680
 # E2E-9: 320 host blocks of 4 x 64 x 656 B (>= one 16K request's 256); the
 # long_outputs requests together need ~344.
 HOSTEX_GIB = 320 * NUM_PAIRS * 64 * 656 / (1 << 30)
@@ -127,13 +136,14 @@ def engine_specs() -> dict[str, dict]:
 
     specs_off = {"off_c2k": off(), "off_c8k": off(chunk=8192), "off_eager": off(mode="eager"),
                  "off_fdo": off(mode="fdo"), "off_share": off(model="glm_share"),
-                 "off_tp2": off(tp=2)}
+                 "off_tp2": off(tp=2), "off_dsv32": off(model="dsv32")}
 
     def on(model="glm", mode="default", chunk=2048, blocks="pressure", offload=False,
            audit=False, kind="pressure", tp=1, **hisparse):
+        if blocks == "pressure":
+            blocks = DSV32_PRESSURE_BLOCKS if model == "dsv32" else PRESSURE_BLOCKS[chunk]
         return dict(model=model, mode=mode, chunk=chunk,
-                    hisparse={"host_pool_gib": 2, **hisparse},
-                    blocks=PRESSURE_BLOCKS[chunk] if blocks == "pressure" else blocks,
+                    hisparse={"host_pool_gib": 2, **hisparse}, blocks=blocks,
                     offload=offload, audit=audit, kind=kind, tp=tp)
 
     return {
@@ -162,6 +172,8 @@ def engine_specs() -> dict[str, dict]:
         "on_fdo": on(mode="fdo"),
         "off_share": off(model="glm_share"),
         "on_share": on(model="glm_share", offload=True),
+        "off_dsv32": off(model="dsv32"),
+        "on_dsv32": on(model="dsv32", offload=True),
         # E2E-10, two GPUs: one host pool shared by both ranks (rank 0 writes).
         "off_tp2": off(tp=2),
         "on_tp2": on(offload=True, tp=2),
@@ -174,6 +186,7 @@ def engine_specs() -> dict[str, dict]:
 REPLAYS = {
     "rep_c2k": "off_c2k", "rep_c8k": "off_c8k", "rep_eager": "off_eager",
     "rep_fdo": "off_fdo", "rep_share": "off_share", "rep_tp2": "off_tp2",
+    "rep_dsv32": "off_dsv32",
 }
 """Replay engine -> the off engine whose configuration it has; it replays
 every HiSparse engine of that reference that ran before it."""
@@ -181,7 +194,7 @@ REFERENCE = {
     "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_lazy": "off_c2k",
     "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
-    "on_tp2": "off_tp2",
+    "on_tp2": "off_tp2", "on_dsv32": "off_dsv32",
 }
 SCENARIO_ORDER = ("single6k", "single12k", "short_topk", "concurrent", "host_prefix",
                   "equal_followups", "long_outputs", "returning", "fault_probe")
@@ -199,6 +212,7 @@ ON_PLAN = {
     "on_fdo": ["single6k", "concurrent", "fault_probe"],
     "on_share": ["single6k", "host_prefix"],
     "on_tp2": ["single6k", "concurrent", "host_prefix"],
+    "on_dsv32": ["single6k", "single12k", "concurrent", "host_prefix", "fault_probe"],
 }
 SCENARIO_IDS = {
     "single6k": "E2E-1", "single12k": "E2E-1", "short_topk": "K9 (prompts <= top-k)",
@@ -209,7 +223,7 @@ SCENARIO_IDS = {
 ENGINE_IDS = {
     "on_c2k_audit": "F1 (mirror audit)", "on_lazy": "E2E-6", "on_nopressure": "E2E-8",
     "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
-    "on_share": "IndexShare", "on_tp2": "E2E-10",
+    "on_share": "IndexShare", "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
 }
 DEFAULT_ENGINES = ("off_c2k", "on_c2k", "on_c2k_audit", "on_lazy", "on_hostex", "rep_c2k",
                    "off_c8k", "on_c8k", "rep_c8k")
@@ -606,15 +620,15 @@ def p2(llm) -> dict:
 # ------------------------------------------------------------------ main
 
 
+MODEL_DIRS = {"glm": "tiny_glm5", "glm_share": "tiny_glm5_share", "dsv32": "tiny_dsv32"}
+
+
 def make_models(stage: Path) -> dict[str, Path]:
-    dirs = {"glm": stage / "tiny_glm5", "glm_share": stage / "tiny_glm5_share"}
+    dirs = {name: stage / MODEL_DIRS[name] for name in MODELS}
     for name, path in dirs.items():
         if not (path / "config.json").exists():
-            args = [sys.executable, str(HERE / "make_tiny_glm5.py"), str(path),
-                    "--max-pos", str(MAX_MODEL_LEN)]
-            if name == "glm_share":
-                args += ["--index-topk-freq", "2"]
-            subprocess.run(args, check=True)
+            subprocess.run([sys.executable, str(HERE / "make_tiny_glm5.py"), str(path),
+                            "--max-pos", str(MAX_MODEL_LEN), *MODELS[name][0]], check=True)
     return dirs
 
 

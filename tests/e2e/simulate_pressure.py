@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_workload as workload  # noqa: E402
-from run_e2e import INDEX_TOPK, MAX_MODEL_LEN, ON_PLAN, engine_specs  # noqa: E402
+from run_e2e import MAX_MODEL_LEN, MODELS, ON_PLAN, engine_specs  # noqa: E402
 
 from tests.hisparse.scheduler.harness import (  # noqa: E402
     AsyncDriver,
@@ -61,7 +61,7 @@ def simulate(engine: str, scenario: str, host_blocks: int) -> dict:
     chunk = spec["chunk"]
     blocks = spec["blocks"] or 50000
     config = hisparse_kv_cache_config(
-        num_gpu_blocks=blocks, num_host_blocks=host_blocks, index_topk=INDEX_TOPK,
+        num_gpu_blocks=blocks, num_host_blocks=host_blocks, index_topk=MODELS[spec["model"]][1],
         admission_max_tokens=spec["hisparse"].get("admission_max_tokens", chunk))
     with tempfile.TemporaryDirectory() as tmp:
         s = make_scheduler(Path(tmp), config, max_num_seqs=8, max_num_batched_tokens=chunk,

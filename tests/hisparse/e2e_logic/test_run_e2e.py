@@ -49,6 +49,36 @@ def test_pressure_pools_sit_a_little_above_the_minimum(chunk):
     assert e2e.cdiv(12000, 64) * 5 > e2e.PRESSURE_BLOCKS[chunk]
 
 
+def test_the_deepseek_v32_model_and_its_pressure_pool(tmp_path):
+    """Issue 17 item 4: the tiny DeepSeek-V3.2 (make_tiny_glm5.py --arch
+    dsv32) is the architecture vLLM resolves to its DeepSeek-V3 model code
+    with a sparse-MLA indexer, top-k 2048; the layout built from its config
+    (the startup check's arithmetic) admits one max_model_len request in
+    the engine's pool, which a fully resident 6K request with its hot
+    regions does not fit."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "dsv32"
+    subprocess.run([sys.executable, str(e2e.HERE / "make_tiny_glm5.py"), str(out),
+                    "--max-pos", str(e2e.MAX_MODEL_LEN), *e2e.MODELS["dsv32"][0]],
+                   check=True, capture_output=True)
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["architectures"] == ["DeepseekV32ForCausalLM"]
+    topk = e2e.MODELS["dsv32"][1]
+    assert hf["index_topk"] == topk == 2048
+    params = HiSparseParams(index_topk=topk, max_decode_query_len=1,
+                            device_buffer_size=2 * topk, admission_max_tokens=2048,
+                            host_pool_bytes=0)
+    lay = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
+    admission = lay.request_blocks(e2e.MAX_MODEL_LEN).admission
+    assert admission == e2e.startup_minimum_blocks(e2e.MAX_MODEL_LEN, 2048, topk=topk)
+    pool = SPECS["on_dsv32"]["blocks"]
+    assert admission < pool < e2e.cdiv(6000, 64) * 5 + 4 * e2e.cdiv(2 * topk, 64)
+    assert SPECS["off_dsv32"]["model"] == SPECS["on_dsv32"]["model"] == "dsv32"
+
+
 def test_c8k_single6k_is_exempt_because_it_cannot_be_under_pressure():
     """At chunk 8192 the pool minimum exceeds a fully resident 6K request."""
     fully_resident = e2e.cdiv(6000, 64) * 5 + 4 * e2e.cdiv(2 * e2e.INDEX_TOPK, 64)

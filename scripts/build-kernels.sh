@@ -28,23 +28,29 @@ set -euo pipefail
 
 # Standalone: the GPU bundle ships this file without lib.sh.
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-die() { printf '[build-kernels.sh] error: %s\n' "$*" >&2; exit 1; }
+die() { printf '[build-kernels.sh] error: %s\n' "$*" >&2; exit 2; }  # every error here is about the arguments or the setup
 need() { [[ -n ${3-} && $3 != -* ]] || die "$2 needs $1"; }  # lib.sh's hs_need
 # lib.sh's hs_usage: the header comment above, without the '#'.
 usage() { awk 'NR == 1 || /^# SPDX-/ { next } !/^#/ { exit } { sub(/^# ?/, ""); if (NF || n) { print; n++ } }' "$0"; }
 
-python="" args=()
+python="" jobs="" args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --python) need 'an interpreter' "$@"; python=$2; shift 2 ;;
     --python=*) python="${1#*=}"; shift ;;
     --compile-only|--ptxas-verbose) args+=("$1"); shift ;;
-    --out|--gencode|--define|--jobs) need 'a value' "$@"; args+=("$1" "$2"); shift 2 ;;
-    --out=*|--gencode=*|--define=*|--jobs=*) args+=("$1"); shift ;;
+    --jobs) need 'a number' "$@"; jobs=$2; shift 2 ;;
+    --jobs=*) jobs=${1#*=}; shift ;;
+    --out|--gencode|--define) need 'a value' "$@"; args+=("$1" "$2"); shift 2 ;;
+    --out=*|--gencode=*|--define=*) args+=("$1"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument: $1" ;;
   esac
 done
+if [[ -n "$jobs" ]]; then
+  [[ $jobs =~ ^[1-9][0-9]*$ ]] || die "--jobs must be a positive integer, got '$jobs'"
+  args+=(--jobs "$jobs")
+fi
 if [[ -z "$python" ]]; then
   python=$here/.venv/bin/python
   [[ -x "$python" ]] || die "no .venv/bin/python: run scripts/build.sh first (or pass --python PY)"

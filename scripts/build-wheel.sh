@@ -30,6 +30,7 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
+hs_positive_int --jobs "$jobs"
 out=$(realpath -m "$out")
 wdir=$HS_WORK/wheel
 tree=$wdir/vllm venv=$wdir/venv

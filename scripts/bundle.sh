@@ -48,6 +48,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $part_mib =~ ^[0-9]+([.][0-9]+)?$ ]] || hs_die "--part-mib must be a number, got '$part_mib'"
 [[ $preset =~ ^[0-9]$ ]] || hs_die "--xz-preset must be 0-9, got '$preset'"
+hs_positive_int --jobs "$jobs"
 out=$(realpath -m "$out")
 conf=$HS_ROOT/scripts/gpu-bundle
 tool=$HS_ROOT/scripts/gpu_bundle.py

@@ -30,8 +30,8 @@
 # skipped fails: the tests skip without the ops, which must not pass.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-log() { printf '[check-gpu-wheel] %s\n' "$*" >&2; }
-die() { printf '[check-gpu-wheel] error: %s\n' "$*" >&2; exit 1; }
+log() { printf '[check-gpu-wheel.sh] %s\n' "$*" >&2; }
+die() { printf '[check-gpu-wheel.sh] error: %s\n' "$*" >&2; exit 1; }
 # lib.sh's hs_need and hs_usage, inlined: lib.sh is sourced for --pack only
 need() { [[ -n ${3-} && $3 != -* ]] || die "$2 needs $1"; }
 usage() { awk 'NR == 1 || /^# SPDX-/ { next } !/^#/ { exit } { sub(/^# ?/, ""); if (NF || n) { print; n++ } }' "$0"; }
@@ -45,7 +45,7 @@ while [[ $# -gt 0 ]]; do
     --no-gpu-tests) gpu_tests=0 ;;
     --upstream-binaries) need 'a directory' "$@"; upstream=$2; shift ;;
     -h|--help) usage; exit 0 ;;
-    -*) echo "[check-gpu-wheel] error: unknown argument: $1" >&2; exit 2 ;;
+    -*) echo "[check-gpu-wheel.sh] error: unknown argument: $1" >&2; exit 2 ;;
     *) wheel=$1 ;;
   esac
   shift

@@ -23,9 +23,11 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -d "$dir" ]] || hs_die "no stack at ${dir#"$HS_ROOT"/}: run scripts/stack.sh first"
 dir=$(realpath "$dir")
+hs_require_stg
 stg_() { (cd "$dir" && GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null stg "$@"); }
 
-unapplied=$(stg_ series --unapplied --noprefix) || hs_die "$dir is not an stgit stack (run scripts/stack.sh)"
+unapplied=$(stg_ series --unapplied --noprefix 2>/dev/null) \
+  || hs_die "$dir is not an stgit stack (stg series fails there): run scripts/stack.sh first"
 [[ -z "$unapplied" ]] || hs_die "unapplied patches would be lost: $unapplied (stg push or stg delete them first)"
 
 tmp=$(mktemp -d)

@@ -64,6 +64,7 @@ ensure_artifact() {
   local name=$1 url=$2 sha=$3 local_file=$4
   local dest=$HS_CACHE/pin/$name
   if [[ -n "$local_file" ]]; then
+    [[ -f "$local_file" ]] || hs_die "no such file: $local_file (HISPARSE_SDIST / HISPARSE_WHEEL name a local $name)"
     verify "$local_file" "$sha" "$name" || exit 1
     [[ "$(realpath "$local_file")" == "$(realpath -m "$dest")" ]] || cp "$local_file" "$dest.part"
     [[ -f "$dest.part" ]] && mv "$dest.part" "$dest"

@@ -42,6 +42,8 @@ import zipfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import scriptlib  # scripts/: one-line usage errors
+
 try:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
@@ -741,7 +743,7 @@ def cmd_env_check(a: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = scriptlib.doc_parser(__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     common = dict(image=CONF / "image-packages.txt",
                   excluded=CONF / "excluded.txt", deps=CONF / "deps.txt")

@@ -35,6 +35,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import scriptlib  # scripts/: one-line usage errors
+
 REQUIRED_OPS = ("resolve_residency", "gather_compact", "gather_plan",
                 "invalidate_written_slots", "copy_descriptors")
 ALLOWED_NEEDED = {"libc10.so", "libtorch.so", "libtorch_cpu.so",
@@ -220,7 +222,7 @@ def cmd_smoke(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = scriptlib.doc_parser(__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("link")
     sp.add_argument("--build", type=Path, required=True)

@@ -20,6 +20,10 @@ hs_die() { printf '[%s] error: %s\n' "$(basename "$0")" "$*" >&2; exit 1; }
 #   --out) hs_need 'a directory' "$@"; out=$2; shift ;;
 # A missing value (no more arguments, or the next option) is a one-line error.
 hs_need() { [[ -n ${3-} && $3 != -* ]] || hs_die "$2 needs $1"; }
+# A count, after the loop: hs_positive_int --jobs "$jobs"
+hs_positive_int() { [[ $2 =~ ^[1-9][0-9]*$ ]] || hs_die "$1 must be a positive integer, got '$2'"; }
+# stgit, for the scripts that edit or read the stack (scripts/prereqs.sh installs it).
+hs_require_stg() { command -v stg >/dev/null || hs_die "stgit is not installed (Debian: apt-get install stgit, or scripts/prereqs.sh as root)"; }
 # Print, then run: scripts say exactly what they execute.
 hs_run() { printf '+ %s\n' "$*" >&2; "$@"; }
 
@@ -40,11 +44,16 @@ HS_VERSION=$(tr -d '[:space:]' < "$HS_ROOT/VERSION")
 
 # --help: the script's header comment, from after the shebang (and SPDX
 # lines) to the first line of code, without the '#', with the pin's values
-# for $KEY of UPSTREAM. Scripts that run without lib.sh inline the awk part.
+# for $KEY and ${KEY} of UPSTREAM. Scripts that run without lib.sh inline the
+# awk part (tests/unit/test_cli.py checks every script's --help).
 hs_usage() {
   local text key
   text=$(awk 'NR == 1 || /^# SPDX-/ { next } !/^#/ { exit } { sub(/^# ?/, ""); if (NF || n) { print; n++ } }' "$0")
-  for key in "${HS_UPSTREAM_KEYS[@]}"; do text=${text//"\$$key"/${!key}}; done
+  # Longest first: $VLLM_WHEEL_FILE is not $VLLM_WHEEL followed by _FILE.
+  while read -r key; do
+    text=${text//"\${$key}"/${!key}}
+    text=${text//"\$$key"/${!key}}
+  done < <(printf '%s\n' "${HS_UPSTREAM_KEYS[@]}" | awk '{ print length($0), $0 }' | sort -rn | cut -d' ' -f2)
   printf '%s\n' "$text"
 }
 

@@ -11,13 +11,14 @@ Exit status 1 with one line per problem when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import scriptlib  # scripts/: one-line usage errors
 
 NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 MAX_NAME = 60
@@ -288,7 +289,7 @@ def failing_hunk(patch: Path, file: str, line: int) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = scriptlib.doc_parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("lint", "manifest"):
         sp = sub.add_parser(name)

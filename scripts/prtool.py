@@ -19,12 +19,13 @@ package on the way is included too.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import re
 import sys
 from email.parser import HeaderParser
 from pathlib import Path
+
+import scriptlib  # scripts/: one-line usage errors
 
 FORK_ONLY_TRAILERS = ("Upstream-Status", "Drop-When", "Fork-Test")
 DOTTED_RE = re.compile(r"\bvllm(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
@@ -173,7 +174,7 @@ def body(patch: Path, template: Path, new_files: list[str], checked: list[str]) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = scriptlib.doc_parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     n = sub.add_parser("needs")
     n.add_argument("--root", type=Path, required=True)

@@ -38,6 +38,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import scriptlib  # scripts/: one-line usage errors
+
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 RANGE_RE = re.compile(r"^\s*(\d+|-):\s+([0-9a-f]+|-+) ([=!<>]) \s*(\d+|-):\s+([0-9a-f]+|-+) (.*)$")
 REGISTER_RE = re.compile(r"register_connector\(\s*[\"']([^\"']+)[\"']")
@@ -415,7 +417,7 @@ def render(d: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = scriptlib.doc_parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("report")
     for a in ("root", "old", "new", "apply", "collisions", "range-diff", "out"):

@@ -3,8 +3,15 @@
 
 use_venv(*modules)  run the command under the repository's .venv/bin/python
                     (scripts/build.sh installs the patched vLLM there) when
-                    the interpreter it started with cannot import `modules`.
+                    the interpreter it started with cannot import `modules`;
+                    without one, a one-line error and exit status 2.
 ArgumentParser      argparse whose usage errors are one line.
+doc_parser(doc)     an ArgumentParser whose --help is the command's whole
+                    docstring (its own usage lines, if it has them, instead
+                    of argparse's), then argparse's option list.
+
+A command parses its arguments before it calls use_venv or imports anything
+heavy, so that --help and a usage error need neither the .venv nor vLLM.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -50,7 +58,8 @@ def use_venv(*modules: str, hint: str = "") -> None:
         problem = f"{VENV_PYTHON} cannot import {missing}"
     else:
         problem = f"{sys.executable} cannot import {missing} and there is no .venv"
-    sys.exit(f"{prog}: error: {problem}: run scripts/build.sh first{hint}")
+    print(f"{prog}: error: {problem}: run scripts/build.sh first{hint}", file=sys.stderr)
+    sys.exit(2)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -58,3 +67,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def doc_parser(doc: str, **kwargs) -> ArgumentParser:
+    """The command's docstring as its --help, as written (a usage line in it
+    replaces argparse's), followed by argparse's list of options."""
+    if re.search(r"^usage: ", doc, re.M):
+        kwargs.setdefault("usage", argparse.SUPPRESS)
+    return ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          **kwargs)

@@ -22,7 +22,7 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 dir=$(realpath -m "$dir")
-command -v stg >/dev/null || hs_die "stgit is not installed (Debian: apt-get install stgit)"
+hs_require_stg
 # stgit records stack metadata as commits: give it an identity; the
 # developer's own identity still applies to the patches they write later.
 export GIT_AUTHOR_NAME=${GIT_AUTHOR_NAME:-$HS_BOT_NAME} GIT_AUTHOR_EMAIL=${GIT_AUTHOR_EMAIL:-$HS_BOT_EMAIL}

@@ -32,7 +32,7 @@ set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # lib.sh's hs_need and hs_usage (this script runs without lib.sh)
-need() { [[ -n ${3-} && $3 != -* ]] || { echo "test-gpu.sh: $2 needs $1" >&2; exit 2; }; }
+need() { [[ -n ${3-} && $3 != -* ]] || { echo "test-gpu.sh: error: $2 needs $1" >&2; exit 2; }; }
 usage() { awk 'NR == 1 || /^# SPDX-/ { next } !/^#/ { exit } { sub(/^# ?/, ""); if (NF || n) { print; n++ } }' "$0"; }
 bundle=$root/.gpu/bundle stage=/root/stage only=kernels,gpu,e2e,serve
 print_env=0 allow_stale=0 rebuild=0
@@ -45,13 +45,13 @@ while [[ $# -gt 0 ]]; do
     --allow-stale) allow_stale=1 ;;
     --rebuild-kernels) rebuild=1 ;;
     -h|--help) usage; exit 0 ;;
-    *) echo "test-gpu.sh: unknown argument: $1" >&2; exit 2 ;;
+    *) echo "test-gpu.sh: error: unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
 done
 IFS=, read -r -a tiers <<<"$only"
 for t in "${tiers[@]}"; do
-  case $t in kernels|gpu|e2e|serve) ;; *) echo "test-gpu.sh: unknown tier '$t'" >&2; exit 2 ;; esac
+  case $t in kernels|gpu|e2e|serve) ;; *) echo "test-gpu.sh: error: unknown tier '$t'" >&2; exit 2 ;; esac
 done
 wants() { [[ ",$only," == *",$1,"* ]]; }
 

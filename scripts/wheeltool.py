@@ -37,6 +37,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import scriptlib  # scripts/: one-line usage errors
+
 HISPARSE_SO = "vllm/_hisparse_C.abi3.so"
 ABI_TAG = "cp38-abi3"
 # manylinux_2_28 (PEP 600 / auditwheel policy): highest symbol versions.
@@ -373,7 +375,7 @@ def cmd_verify_slim(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = scriptlib.doc_parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("kernels")
     k.add_argument("--tree", type=Path, required=True)

@@ -54,7 +54,7 @@ def path_without_engines(tmp: Path) -> str:
 
 def fake_wheel(tmp: Path) -> Path:
     """Only its name and bytes matter to the plan (the sha256 label)."""
-    w = tmp / f"vllm-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    w = tmp / lib_sh("HS_GPU_WHEEL_NAME")  # the one name build-wheel.sh writes
     w.write_bytes(b"wheel bytes for the plan")
     return w
 
@@ -91,7 +91,7 @@ def test_dry_run_prints_the_plan_with_series_labels(tmp_path):
     passed = set(re.findall(r"--build-arg (\w+)=", cmd))
     assert args == passed, args ^ passed
     # a wheel of another version is refused
-    other = tmp_path / "vllm-0.26.0+hisparse.999-cp38-abi3-manylinux_2_28_x86_64.whl"
+    other = tmp_path / "vllm-0.26.0+hisparse.999-cp38-abi3-linux_x86_64.whl"
     other.write_bytes(b"x")
     assert "is not vllm" in run(["--dry-run", "--digest", DIGEST, "--wheel", str(other)], check=False).stderr
 

@@ -511,8 +511,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--variant", default=seeded_init.DEFAULT_VARIANT,
                     help="the weight variant the e2e gate chose (its e2e.json 'variant')")
-    ap.add_argument("--budget", type=float, default=500.0,
-                    help="seconds from start by which soak.json must be written")
+    ap.add_argument("--budget", type=float, default=560.0,
+                    help="seconds from start by which soak.json must be written (the "
+                    "replay, which starts once the server is up and follows its "
+                    "schedule, has until 30 s before it; a device call has 600)")
     ap.add_argument("--port", type=int, default=8111)
     ap.add_argument("--replay-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)

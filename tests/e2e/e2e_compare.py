@@ -61,13 +61,6 @@ def record_from_output(token_ids: Sequence[int], logprobs: Iterable[Any]) -> dic
     return {"tokens": tokens, "positions": positions}
 
 
-def trace_step(num_scheduled_tokens: Mapping[str, int]) -> list[int] | None:
-    """A step of the schedule trace: the sorted per-request token counts,
-    or None for a step that scheduled nothing."""
-    counts = sorted(int(n) for n in num_scheduled_tokens.values() if n)
-    return counts or None
-
-
 # ---------------------------------------------------------- comparison
 
 

@@ -64,7 +64,8 @@ EVENTS = (PREEMPTED, ABORTED)
 
 
 def step_counts(step: Sequence[Sequence]) -> list[int]:
-    """A keyed step as the unkeyed trace of e2e_compare.trace_step."""
+    """A keyed step as the natural comparison's trace step: the sorted
+    per-request token counts (preemptions and aborts carry none)."""
     return sorted(int(n) for _, n, _ in step if n)
 
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import e2e_compare as compare
+from schedule_replay import step_keys
 
 BLOCK = 64
 LOGPROB_FLOOR = -9999.0
@@ -190,7 +191,7 @@ class TraceJoin:
             self.outputs[item["id"]] = list(item["tokens"])
 
     def trace(self, step: list) -> None:
-        known = [k in self.sent for k, _, _ in step]
+        known = [k in self.sent for k in step_keys(step)]
         if not any(known):
             self.skipped += 1
         elif not all(known):
@@ -204,7 +205,7 @@ class TraceJoin:
         out = []
         while self.pending:
             step = self.pending[0]
-            new = [k for k in dict.fromkeys(k for k, _, _ in step) if k not in self.added]
+            new = [k for k in dict.fromkeys(step_keys(step)) if k not in self.added]
             if any(self._waiting_for_parent(k) for k in new):
                 break
             adds = []

@@ -103,9 +103,11 @@ def test_compare_scenario_reports_schedule_and_diffs():
         cmp.compare_scenario(ref, {"0/a": got["0/a"]}, [], [])
 
 
-def test_trace_step_is_the_sorted_multiset_of_nonempty_steps():
-    assert cmp.trace_step({"x": 3, "y": 1, "z": 2}) == [1, 2, 3]
-    assert cmp.trace_step({}) is None and cmp.trace_step({"x": 0}) is None
+def test_a_trace_step_is_the_sorted_multiset_of_token_counts():
+    import schedule_replay
+
+    step = [["0/a", 0, schedule_replay.PREEMPTED], ["0/b", 3, -1], ["0/c", 1, 0], ["0/d", 2, -1]]
+    assert schedule_replay.step_counts(step) == [1, 2, 3]
     assert cmp.trace_divergence([[1, 2]], [[1, 2], [1]]) == {
         "step": 1, "reference_steps": 1, "hisparse_steps": 2}
 

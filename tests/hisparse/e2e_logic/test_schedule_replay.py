@@ -180,13 +180,6 @@ def test_a_replay_left_unfinished_is_reported(arms):
     assert tap.diverged is not None and tap.diverged["left_over"] > 0
 
 
-def test_step_counts_is_the_unkeyed_trace():
-    import e2e_compare as compare
-
-    step = [["0/a", 5, -1], ["0/b", 2048, 0], ["0/c", 1, -1]]
-    assert replay.step_counts(step) == compare.trace_step({"x": 5, "y": 2048, "z": 1})
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_replay_preempts_what_host_exhaustion_preempted(tmp_path, async_scheduling):
     """E2E-9 / F8: HiSparse preempts on host exhaustion and recomputes; the

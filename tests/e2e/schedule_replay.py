@@ -163,11 +163,17 @@ class ScheduleTap:
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         """An abort from outside the scheduler (a client's, or a replay's):
-        recorded for the requests that had run."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+        recorded for the requests it finished that had run. A server's abort
+        can race a request's own finish (the engine finished it, the API
+        process had not yet seen the last output): vLLM ignores it, and so
+        must the trace, or the replay, whose request finished too, diverges.
+        Several at once are recorded in key order (vLLM iterates a set)."""
+        aborted = self._finish(request_ids, finished_status)
         if getattr(finished_status, "name", "") == "FINISHED_ABORTED":
-            self.events += [[self._key(r), 0, ABORTED] for r in ids if r in self.ran]
-        return self._finish(request_ids, finished_status)
+            keys = sorted(self._key(r.request_id) for r in aborted or ()
+                          if r.request_id in self.ran)
+            self.events += [[k, 0, ABORTED] for k in keys]
+        return aborted
 
     def get_computed_blocks(self, request: Any) -> Any:
         """vLLM's (blocks, computed tokens, shared-prefix boundary), the hit

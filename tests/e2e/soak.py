@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -417,15 +419,34 @@ def replay_worker(a) -> int:
     out: dict = {"init_s": round(time.time() - t0, 1),
                  "defaults": run_e2e.resolved_defaults(llm)}
     (work / "replay.ready").write_text("ok")
-    out.update(follow(llm, work, a.deadline - 30))
-    out["weights_fingerprint_plugin"] = digest(llm)
-    # Both below re-initialise through apply_model: after the replay only.
-    if time.time() < a.deadline - 20:
-        out["sensitivity"] = run_e2e.measure_sensitivity(llm, [a.variant])
-    run_e2e.apply_variant(llm, a.variant)
-    out["weights_fingerprint_apply_model"] = digest(llm)
+    try:
+        out.update(follow(llm, work, a.deadline - 30))
+        out["drained"] = drain_engine(llm)
+        out["weights_fingerprint_plugin"] = digest(llm)
+        # Both below re-initialise through apply_model: after the replay only.
+        if time.time() < a.deadline - 20:
+            out["sensitivity"] = run_e2e.measure_sensitivity(llm, [a.variant])
+        run_e2e.apply_variant(llm, a.variant)
+        out["weights_fingerprint_apply_model"] = digest(llm)
+    except Exception:  # noqa: BLE001 - the records so far still reach soak.json
+        import traceback
+
+        out["error"] = traceback.format_exc()[-4000:]
     (work / "replay.json").write_text(json.dumps(out))
     return 0
+
+
+def drain_engine(llm) -> int:
+    """Abort what the replay left unfinished (a divergence or the deadline
+    ended it) and step until the engine is empty, so that the controls
+    after it start from an idle engine. Returns the requests aborted."""
+    engine = llm.llm_engine
+    left = list(engine.output_processor.request_states)
+    if left:
+        engine.abort_request(left, internal=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(left)
 
 
 def digest(llm) -> str:
@@ -569,7 +590,18 @@ async def soak(a) -> dict:
     report["server_alive_at_end"] = server_alive
     feed.end()
     report["replay"] = wait_replay(work, replay, a.deadline)
+    keep_inputs(work, out)
     return finish(report, results)
+
+
+def keep_inputs(work: Path, out: Path) -> None:
+    """The server's schedule and the client's feed, compressed beside
+    soak.json: what a failed replay is diagnosed from on a CPU
+    (``TraceJoin`` and ``ScheduleTap`` read them as they are)."""
+    for name in ("trace.jsonl", "requests.jsonl"):
+        if (work / name).exists():
+            with open(work / name, "rb") as src, gzip.open(out / f"{name}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
 
 
 class Feed:

@@ -171,7 +171,27 @@ class Engine:
                             "self_device_us": float(dev)})
             return out
 
-        return {"short": run(m), "long": run(n + m)}
+        return {"short": run(m), "long": run(n + m),
+                "python": {"short": self.python_profile(batch, m),
+                           "long": self.python_profile(batch, n + m)}}
+
+    def python_profile(self, batch: int, k: int) -> list[dict]:
+        """cProfile over one generation: every function's calls, self and
+        cumulative seconds (where the host time of a step goes; cProfile
+        slows Python, so these are shares, not the step's wall time)."""
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        self.timed(batch, k)
+        prof.disable()
+        out = []
+        for (path, line, fn), (_, calls, tottime, cumtime, _) in pstats.Stats(prof).stats.items():
+            if cumtime >= 1e-4:
+                out.append({"fn": python_key(path, line, fn), "calls": int(calls),
+                            "tottime": tottime, "cumtime": cumtime})
+        return out
 
     # ---------------------------------------------------------- counters
 
@@ -196,6 +216,16 @@ class Engine:
         except Exception:  # noqa: BLE001 - the process exits next anyway
             pass
         return {}
+
+
+def python_key(path: str, line: int, fn: str) -> str:
+    """'vllm/v1/worker/gpu_model_runner.py:123(execute_model)': the path from
+    the package root, so that keys match across machines."""
+    for root in ("site-packages/", "/site/", "dist-packages/"):
+        if root in path:
+            path = path.rsplit(root, 1)[1]
+            break
+    return f"{path}:{line}({fn})"
 
 
 def _worker_counters(worker) -> dict:

@@ -366,9 +366,68 @@ def profile_counts(events: Iterable[Mapping]) -> dict:
     return {"runtime": runtime, "kernels": kernels, "copies": copies}
 
 
+PYTHON_STAGES = (
+    # (label, function key suffix): cumulative host time per decode step
+    ("engine step", "core.py:(step_with_batch_queue)"),
+    ("scheduler.schedule", "scheduler.py:(schedule)"),
+    ("scheduler.update_from_output", "scheduler.py:(update_from_output)"),
+    ("runner.execute_model", "gpu_model_runner.py:(execute_model)"),
+    ("runner._update_states", "gpu_model_runner.py:(_update_states)"),
+    ("runner._prepare_inputs", "gpu_model_runner.py:(_prepare_inputs)"),
+    ("runner._build_attention_metadata", "gpu_model_runner.py:(_build_attention_metadata)"),
+    ("runner.sample_tokens", "gpu_model_runner.py:(sample_tokens)"),
+    ("output_processor.process_outputs", "output_processor.py:(process_outputs)"),
+    ("hisparse build_step_metadata", "coordinator.py:(build_step_metadata)"),
+    ("hisparse start_step", "hisparse/worker.py:(start_step)"),
+    ("hisparse finish_forward", "hisparse/worker.py:(finish_forward)"),
+    ("hisparse take_acks", "hisparse/worker.py:(take_acks)"),
+    ("hisparse apply_residency_updates", "binding.py:(apply_residency_updates)"),
+    ("kv connector output", "kv_connector_model_runner_mixin.py:(_get_kv_connector_output)"),
+)
+
+
+def _stage_match(key: str, pattern: str) -> bool:
+    """'file.py:(fn)' matches any 'path/file.py:LINE(fn)'."""
+    file, fn = pattern.split(":", 1)
+    path, _, rest = key.rpartition(":")
+    return path.endswith(file) and rest[rest.find("("):] == fn
+
+
+def python_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: int,
+                    top: int = 25) -> dict:
+    """cProfile entries ({fn, calls, tottime, cumtime} in seconds) of M and
+    of N + M new tokens -> per decode step (us): the stages of
+    PYTHON_STAGES (cumulative), HiSparse's own functions together (self
+    time of every function in a hisparse module) and the top functions by
+    self time."""
+    if steps <= 0:
+        raise ValueError("steps must be > 0")
+    a = {e["fn"]: e for e in short}
+    b = {e["fn"]: e for e in long}
+
+    def per_step(field: str) -> dict[str, float]:
+        return {k: (b.get(k, {}).get(field, 0.0) - a.get(k, {}).get(field, 0.0)) * 1e6 / steps
+                for k in set(a) | set(b)}
+
+    self_us, cum_us = per_step("tottime"), per_step("cumtime")
+    calls = per_step("calls")
+    stages = {label: round(sum(v for k, v in cum_us.items() if _stage_match(k, pat)), 1)
+              for label, pat in PYTHON_STAGES}
+    return {
+        "note": "cProfile slows Python: shares of the host time, not wall time",
+        "self_us_total": round(sum(self_us.values()), 1),
+        "hisparse_self_us": round(sum(v for k, v in self_us.items() if "hisparse" in k), 1),
+        "stages_cum_us": stages,
+        "top_self": [{"fn": k, "self_us": round(self_us[k], 2),
+                      "calls": round(calls[k] / 1e6, 3)}
+                     for k in sorted(self_us, key=lambda k: -self_us[k])[:top]],
+    }
+
+
 def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: int,
-                     top: int = 15) -> dict:
-    """Per decode step: (profile of N + M new tokens - profile of M) / N."""
+                     top: int = 15, python: Mapping | None = None) -> dict:
+    """Per decode step: (profile of N + M new tokens - profile of M) / N;
+    ``python`` ({short, long} cProfile entries) adds the host breakdown."""
     if steps <= 0:
         raise ValueError("steps must be > 0")
     a, b = profile_counts(short), profile_counts(long)
@@ -397,6 +456,8 @@ def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: i
         },
         "top_kernels": [{"name": k, "us_per_step": round(kt[k], 3),
                          "count_per_step": round(kc[k], 3)} for k in top_k],
+        **({"python": python_per_step(python["short"], python["long"], steps)}
+           if python else {}),
     }
 
 

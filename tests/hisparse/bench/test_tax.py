@@ -318,3 +318,36 @@ def test_profile_per_step_is_the_difference_over_the_extra_steps():
     assert [k["name"] for k in p["top_kernels"]] == ["attn", "gather_kernel"]
     with pytest.raises(ValueError):
         tax.profile_per_step([], [], 0)
+
+
+def test_python_per_step_attributes_host_time_to_stages_and_hisparse():
+    """P2's breakdown: cProfile entries of M and N + M steps -> per decode
+    step, the runner/scheduler stages (cumulative), HiSparse's own self time
+    and the top functions by self time."""
+    def ev(k):
+        return [
+            {"fn": "vllm/v1/core/sched/scheduler.py:300(schedule)", "calls": k,
+             "tottime": 20e-6 * k, "cumtime": 50e-6 * k},
+            {"fn": "vllm/v1/core/sched/async_scheduler.py:20(_update_after_schedule)",
+             "calls": k, "tottime": 1e-6 * k, "cumtime": 1e-6 * k},
+            {"fn": "vllm/v1/hisparse/worker.py:397(start_step)", "calls": k,
+             "tottime": 30e-6 * k + 0.01, "cumtime": 90e-6 * k + 0.01},
+            {"fn": "vllm/v1/hisparse/runtime.py:362(prepare_forward)", "calls": k,
+             "tottime": 40e-6 * k, "cumtime": 40e-6 * k},
+            {"fn": "vllm/v1/worker/gpu_model_runner.py:3000(execute_model)", "calls": k,
+             "tottime": 5e-6 * k, "cumtime": 400e-6 * k},
+        ]
+    p = tax.python_per_step(ev(16), ev(144), 128)
+    st = p["stages_cum_us"]
+    assert st["scheduler.schedule"] == pytest.approx(50)
+    assert st["hisparse start_step"] == pytest.approx(90)
+    assert st["runner.execute_model"] == pytest.approx(400)
+    assert st["hisparse finish_forward"] == 0
+    assert p["hisparse_self_us"] == pytest.approx(70)
+    assert p["self_us_total"] == pytest.approx(96)
+    assert p["top_self"][0]["fn"].endswith("(prepare_forward)")
+    assert p["top_self"][0]["calls"] == pytest.approx(1)
+    prof = tax.profile_per_step([], [], 128, python={"short": ev(16), "long": ev(144)})
+    assert prof["python"]["stages_cum_us"]["scheduler.schedule"] == pytest.approx(50)
+    with pytest.raises(ValueError):
+        tax.python_per_step([], [], 0)

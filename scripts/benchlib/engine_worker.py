@@ -168,7 +168,8 @@ class Engine:
                     dev = getattr(e, "self_cuda_time_total", 0)
                 out.append({"name": e.key, "count": int(e.count),
                             "device": "cuda" if e.device_type == DeviceType.CUDA else "cpu",
-                            "self_device_us": float(dev)})
+                            "self_device_us": float(dev),
+                            "self_cpu_us": float(getattr(e, "self_cpu_time_total", 0.0))})
             return out
 
         return {"short": run(m), "long": run(n + m),

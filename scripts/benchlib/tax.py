@@ -349,6 +349,7 @@ def profile_counts(events: Iterable[Mapping]) -> dict:
     """Aggregated profiler events ({name, device: cpu|cuda, count,
     self_device_us}) -> runtime API counts, device kernel counts and times."""
     runtime: dict[str, float] = {}
+    runtime_us: dict[str, float] = {}
     kernels: dict[str, list[float]] = {}
     copies = {"count": 0.0, "us": 0.0}
     for e in events:
@@ -363,7 +364,9 @@ def profile_counts(events: Iterable[Mapping]) -> dict:
                 k[1] += float(e.get("self_device_us", 0))
         elif _is_runtime(name):
             runtime[name] = runtime.get(name, 0.0) + count
-    return {"runtime": runtime, "kernels": kernels, "copies": copies}
+            runtime_us[name] = runtime_us.get(name, 0.0) + float(e.get("self_cpu_us", 0))
+    return {"runtime": runtime, "runtime_us": runtime_us, "kernels": kernels,
+            "copies": copies}
 
 
 PYTHON_STAGES = (
@@ -453,6 +456,9 @@ def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: i
             "device_copies": (b["copies"]["count"] - a["copies"]["count"]) / steps,
             "device_copy_us": (b["copies"]["us"] - a["copies"]["us"]) / steps,
             "runtime_calls": {k: round(v, 3) for k, v in sorted(rt.items()) if abs(v) > 1e-9},
+            # host time inside the CUDA runtime calls (a stalled copy or sync shows here)
+            "runtime_cpu_us": {k: round(v, 2) for k, v in sorted(
+                diff(a["runtime_us"], b["runtime_us"]).items()) if abs(v) > 1e-9},
         },
         "top_kernels": [{"name": k, "us_per_step": round(kt[k], 3),
                          "count_per_step": round(kc[k], 3)} for k in top_k],

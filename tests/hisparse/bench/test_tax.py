@@ -299,7 +299,8 @@ def test_profile_per_step_is_the_difference_over_the_extra_steps():
         return [{"name": "cudaGraphLaunch", "device": "cpu", "count": k},
                 {"name": "cudaLaunchKernel", "device": "cpu", "count": 5 * k + 40},
                 {"name": "cudaMemcpyAsync", "device": "cpu", "count": 2 * k + 7},
-                {"name": "cudaStreamWaitEvent", "device": "cpu", "count": k},
+                {"name": "cudaStreamWaitEvent", "device": "cpu", "count": k,
+                 "self_cpu_us": 3.0 * k},
                 {"name": "aten::copy_", "device": "cpu", "count": 99 * k},
                 {"name": "custom_op_cuda", "device": "cpu", "count": 3},
                 {"name": "gather_kernel", "device": "cuda", "count": 2 * k,
@@ -314,6 +315,7 @@ def test_profile_per_step_is_the_difference_over_the_extra_steps():
     assert ps["device_kernels"] == pytest.approx(3) and ps["device_kernel_us"] == pytest.approx(26)
     assert ps["device_copies"] == pytest.approx(1) and ps["device_copy_us"] == pytest.approx(1.5)
     assert ps["runtime_calls"]["cudaStreamWaitEvent"] == pytest.approx(1)
+    assert ps["runtime_cpu_us"]["cudaStreamWaitEvent"] == pytest.approx(3)
     assert "aten::copy_" not in ps["runtime_calls"] and "custom_op_cuda" not in ps["runtime_calls"]
     assert [k["name"] for k in p["top_kernels"]] == ["attn", "gather_kernel"]
     with pytest.raises(ValueError):

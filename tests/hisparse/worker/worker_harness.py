@@ -157,6 +157,9 @@ class Batch:
     def req_rows(self) -> dict[str, int]:
         return {r: i for i, r in enumerate(self.req_ids) if r is not None}
 
+    def token_rows(self) -> np.ndarray:
+        return np.repeat(np.arange(self.num_reqs(), dtype=np.int32), self.scheduled)
+
     def commit(self) -> None:
         """The runner's commit: tables and slot mappings to the device."""
         for bt in self.block_tables:

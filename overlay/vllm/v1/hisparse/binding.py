@@ -89,6 +89,12 @@ class RunnerBatchState:
     def req_rows(self) -> Mapping[str, int]:
         return self._runner.input_batch.req_id_to_index
 
+    def token_rows(self) -> np.ndarray:
+        n = self.num_reqs()
+        return np.repeat(
+            np.arange(n, dtype=np.int32), np.diff(self._runner.query_start_loc.np[: n + 1])
+        )
+
 
 # --------------------------------------------------------------- the views
 

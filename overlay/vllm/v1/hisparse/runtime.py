@@ -35,7 +35,7 @@ sent and what the block tables say.
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -72,6 +72,12 @@ class BatchState(Protocol):
 
     def req_rows(self) -> Mapping[str, int]:
         """Request id -> its row in this step's batch."""
+        ...
+
+    def token_rows(self) -> np.ndarray:
+        """int [num_tokens]: the batch row of each of this step's tokens
+        (what the attention metadata's ``req_id_per_token`` holds for the
+        real tokens), from the runner's CPU query start locations."""
         ...
 
     def device(self, group_id: int) -> torch.Tensor:
@@ -171,6 +177,56 @@ class Workspace:
             plan_dst=make(rows, top_k),
             plan_count=torch.zeros(rows, dtype=torch.int32, device=device),
         )
+
+
+class StepInputs:
+    """The per-step kernel inputs ``row_req`` (int32 [max_tokens]) and
+    ``req_state`` (int32 [max_num_seqs]) as views of one device tensor,
+    written from a pinned host buffer in one asynchronous copy per step
+    (P2: one copy instead of two fills and two copies, and never from
+    pageable memory, which the driver may stage synchronously).
+
+    The host buffers alternate; before one is rewritten, the copy that read
+    it two steps ago is waited for (a deliberate host sync on an event that
+    has long completed: the compute stream runs at most one step behind)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.cuda = device.type == "cuda"
+        self.tensor = torch.full(
+            (max_tokens + max_seqs,), -1, dtype=torch.int32, device=device
+        )
+        self.row_req = self.tensor[:max_tokens]
+        self.req_state = self.tensor[max_tokens:]
+        # On a CPU device (tests) the tensor itself is the host buffer.
+        self._host = [
+            torch.full(self.tensor.shape, -1, dtype=torch.int32, pin_memory=True)
+            for _ in range(2)
+        ] if self.cuda else [self.tensor]
+        self._sent: list[Any] = [None] * len(self._host)
+        self._cur = 0
+
+    def host_views(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next host buffer, all -1: (row_req, req_state) to fill."""
+        self._cur = (self._cur + 1) % len(self._host)
+        event = self._sent[self._cur]
+        if event is not None:
+            event.synchronize()  # deliberate: the copy of two steps ago
+        buf = self._host[self._cur].numpy()
+        buf.fill(-1)
+        return buf[: self.max_tokens], buf[self.max_tokens:]
+
+    def send(self) -> None:
+        """Copy the filled host buffer into the device tensor."""
+        if not self.cuda:
+            return
+        self.tensor.copy_(self._host[self._cur], non_blocking=True)
+        event = self._sent[self._cur] or torch.cuda.Event()
+        event.record()
+        self._sent[self._cur] = event
+
+    def reset(self) -> None:
+        self.tensor.fill_(-1)
 
 
 @dataclass(frozen=True)
@@ -284,12 +340,9 @@ class HiSparseRuntime:
         # resolver never writes (all their pages are resident: INV-21,
         # INV-34).
         self.resident_only_slot = g.max_num_seqs
-        self.req_state = torch.full(
-            (g.max_num_seqs,), -1, dtype=torch.int32, device=device
-        )
-        self.row_req = torch.full(
-            (g.max_num_tokens,), -1, dtype=torch.int32, device=device
-        )
+        self.step_inputs = StepInputs(g.max_num_tokens, g.max_num_seqs, device)
+        self.row_req = self.step_inputs.row_req
+        self.req_state = self.step_inputs.req_state
         self.workspace = Workspace.allocate(g.workspace_rows, g.index_topk, device)
         self._lru_init = torch.arange(
             g.device_buffer_size, dtype=torch.int16, device=device
@@ -359,35 +412,30 @@ class HiSparseRuntime:
 
     # -------------------------------------------------- per-step inputs
 
-    def prepare_forward(self, req_id_per_token: torch.Tensor) -> None:
-        """Write this step's kernel inputs, outside any graph (INV-32, F13).
-
-        ``req_id_per_token`` is the attention metadata's batch row of each
-        token; under CUDA-graph padding its tail maps padding tokens to row 0,
-        so only the real tokens are copied and the rest stays -1."""
+    def prepare_forward(self) -> None:
+        """Write this step's kernel inputs, outside any graph (INV-32, F13):
+        ``row_req`` (the batch row of each real token, -1 for CUDA-graph
+        padding) and ``req_state``, built on the host and sent in one copy."""
         num_reqs = self.num_reqs = self.tables.num_reqs()
         num_tokens = self.num_tokens = self.tables.num_tokens()
-        self.row_req.fill_(-1)
-        self.row_req[:num_tokens].copy_(req_id_per_token[:num_tokens])
-        self.req_state.fill_(-1)
-        if num_reqs:
-            self.req_state[:num_reqs].copy_(
-                torch.from_numpy(self._request_slots(num_reqs)), non_blocking=True
-            )
+        row_req, req_state = self.step_inputs.host_views()
+        row_req[:num_tokens] = self.tables.token_rows()[:num_tokens]
+        self._request_slots(req_state[:num_reqs])
+        self.step_inputs.send()
         self.step_active = True
 
-    def _request_slots(self, num_reqs: int) -> np.ndarray:
-        """int32 [num_reqs]: each row's request-state slot, from the slots
-        the worker gave to requests (F22), never from block-table rows:
-        O(live hot regions), a fresh array (the copy may still be pending)."""
-        state = np.full(num_reqs, self.resident_only_slot, dtype=np.int32)
+    def _request_slots(self, state: np.ndarray) -> None:
+        """Each row's request-state slot into ``state`` (int32 [num_reqs]),
+        from the slots the worker gave to requests (F22), never from
+        block-table rows: O(live hot regions)."""
+        state.fill(self.resident_only_slot)
         if self.slots.of_request:
             rows = self.tables.req_rows()
+            num_reqs = state.shape[0]
             for request_id, slot in self.slots.of_request.items():
                 row = rows.get(request_id)
                 if row is not None and row < num_reqs:
                     state[row] = slot
-        return state
 
     def plan_staging(self, num_decode_reqs: int) -> None:
         """Staging plans of this step's host-backed prefill requests (C11).
@@ -481,8 +529,7 @@ class HiSparseRuntime:
 
     def end_forward(self) -> None:
         """Back to padding, so that a dummy or captured run touches no state."""
-        self.row_req.fill_(-1)
-        self.req_state.fill_(-1)
+        self.step_inputs.reset()
         self.step_active = False
         self.workspace.owner = None
         self.staged = {}

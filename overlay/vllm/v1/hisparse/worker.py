@@ -438,7 +438,7 @@ class HiSparseWorker:
             self.host_write.record(streams.compute())
             self._step = None
             return
-        rt.prepare_forward(attn_metadata.req_id_per_token)
+        rt.prepare_forward()
         if attn_metadata.num_prefills:
             rt.plan_staging(int(attn_metadata.num_decodes))
         if decode_query_len(attn_metadata) > rt.geometry.max_decode_query_len:

@@ -25,6 +25,8 @@ from vllm.v1.hisparse.specs import (
     HiSparseHotSpec,
     HiSparseResidentSpec,
     HiSparseSourceSpec,
+    is_hisparse_hot_group,
+    is_hisparse_virtual_group,
     is_index_share_follower,
 )
 from vllm.v1.kv_cache_interface import (
@@ -95,6 +97,19 @@ def test_dsv32_split_order_and_suffixes():
     assert all(
         s.is_index_group_leader for s in groups[0].kv_cache_spec.kv_cache_specs.values()
     )
+
+
+def test_only_hot_groups_go_without_slot_mappings():
+    """P2 (the runner hook of worker-hisparse-runner-hooks): hot groups get
+    SlotMappingMode.NONE, so no slot-mapping kernel runs for them per step;
+    resident groups keep theirs (the sparse-MLA KV writes use it), and so
+    do the source group (host rows of the mirror) and the indexer."""
+    layout = build_hisparse_layout(specs(**DSV32), params())
+    groups = layout.kv_cache_groups
+    hot = [gid for gid, g in enumerate(groups) if is_hisparse_hot_group(g)]
+    assert hot == list(layout.hot_group_ids)
+    virtual = [gid for gid, g in enumerate(groups) if is_hisparse_virtual_group(g)]
+    assert virtual == list(layout.resident_group_ids) + list(layout.hot_group_ids)
 
 
 def test_index_share_unit_is_leader_plus_followers():

@@ -196,6 +196,14 @@ def is_hisparse_virtual_group(group: "KVCacheGroupSpec") -> bool:
     return bool(names) and all(is_hisparse_virtual_layer(n) for n in names)
 
 
+def is_hisparse_hot_group(group: "KVCacheGroupSpec") -> bool:
+    """A hot group: the runner reads its block table by block id (the
+    resolver) and never needs its per-token slot mapping (P2: no slot-mapping
+    kernel per hot group per step)."""
+    names = group.layer_names
+    return bool(names) and all(n.endswith(HOT_SUFFIX) for n in names)
+
+
 def is_hisparse_spec(spec: KVCacheSpec) -> bool:
     return isinstance(spec, (HiSparseSourceSpec, HiSparseResidentSpec, HiSparseHotSpec))
 

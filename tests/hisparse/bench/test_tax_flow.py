@@ -64,7 +64,7 @@ def test_full_run(tax_cmd, tmp_path):
     assert rep["profile"]["default/L4/off/batch16"]["per_step"]["kernel_launches"] == 2
     eng = rep["engines"]["default/L4/on"]
     assert eng["no_pressure"] == {"no_misses": True, "no_lost_pages": True,
-                                  "no_hot_regions": True, "counters_read": True}
+                                  "no_pages_given_up": True, "counters_read": True}
     assert eng["versions"]["vllm"] == "fake"
     assert rep["versions"] == {"ours": [{"vllm": "fake", "torch": "x"}]}
     assert "no_pressure" not in rep["engines"]["default/L4/off"]

@@ -422,3 +422,49 @@ def test_randomized_conversations_under_every_hash_seed():
         if run.returncode != 0:
             failed.append((hash_seed, run.stdout[-800:]))
     assert not failed, failed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_randomized_conversations_with_client_aborts(rig, seed):
+    """R5 soak run 2 (the user's command through `vllm serve`): clients
+    disconnect at any point of a turn, also while its offloaded indexer
+    prefix is still loading (WAITING_FOR_REMOTE_KVS). No abort may crash the
+    engine core (the pin's store-job bookkeeping asserted on one), and every
+    row read, store and load stays exact."""
+    rng = random.Random(100 + seed)
+    r = rig(
+        num_gpu_blocks=80,
+        num_host_blocks=150,
+        num_cpu_blocks=64,
+        max_num_seqs=3,
+        copy_delay=rng.randint(1, 2),
+        faults=Faults(max_delay=2),
+    )
+    turns = {
+        f"c{i}": (prompt(rng.randint(200, 500), 7000 * seed + i), 6) for i in range(6)
+    }
+    live: dict[str, object] = {}
+    aborted: dict[RequestStatus, int] = {}
+    n = 0
+    while turns or live:
+        for conv in list(turns):
+            if conv not in live:
+                tokens, left = turns.pop(conv)
+                req = make_request(f"{conv}.{n}", tokens, rng.randint(1, 6))
+                n += 1
+                r.scheduler.add_request(req)
+                live[conv] = (req, left - 1)
+        for conv, (req, left) in list(live.items()):
+            if not req.is_finished() and rng.random() < 0.08:
+                aborted[req.status] = aborted.get(req.status, 0) + 1
+                r.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+        r.step()
+        for conv, (req, left) in list(live.items()):
+            if req.is_finished():
+                del live[conv]
+                if left:
+                    suffix = prompt(rng.randint(20, 120), n)
+                    turns[conv] = (list(req.all_token_ids) + suffix, left)
+        assert r.worker.step_no < 5000
+    r.finish()
+    assert sum(aborted.values()) >= 5, aborted

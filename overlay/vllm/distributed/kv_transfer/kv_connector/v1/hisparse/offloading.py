@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 # The pin's set of GPU block ids (re)allocated in the current step; a
 # pending store whose source block is in it is flushed before the forward.
 _REALLOCATED = "_current_batch_allocated_block_ids"
+# The pin's per-request offload state (block ids seen, store limit).
+_REQ_STATUS = "_req_status"
 
 NOT_A_HISPARSE_LAYOUT = (
     "HiSparseOffloadingConnector offloads the indexer KV of a HiSparse layout "
@@ -174,14 +176,18 @@ class HiSparseOffloadingConnector(OffloadingConnector):
             role,
             offloadable_kv_cache_config(kv_cache_config, self._groups),
         )
-        if self.connector_scheduler is not None and not isinstance(
-            getattr(self.connector_scheduler, _REALLOCATED, None), set
+        sched = self.connector_scheduler
+        if sched is not None and not (
+            isinstance(getattr(sched, _REALLOCATED, None), set)
+            and isinstance(getattr(sched, _REQ_STATUS, None), dict)
         ):
             # Fail at startup, not silently at run time, if the pin's
-            # reallocation fence (see _fence) moves.
+            # reallocation fence (see _fence) or its request state
+            # (see _cap_finished_stores) moves.
             raise RuntimeError(
-                f"OffloadingConnectorScheduler.{_REALLOCATED} is gone; "
-                "HiSparseOffloadingConnector cannot fence resident/hot leases."
+                f"OffloadingConnectorScheduler.{_REALLOCATED} or {_REQ_STATUS} is "
+                "gone; HiSparseOffloadingConnector cannot fence resident/hot "
+                "leases or bound the stores of finished requests."
             )
 
     @property
@@ -268,9 +274,38 @@ class HiSparseOffloadingConnector(OffloadingConnector):
         for _, new_block_ids, _ in yield_req_data(scheduler_output):
             if new_block_ids:
                 self._fence(self._groups.fenced_block_ids(new_block_ids))
+        self._cap_finished_stores(scheduler_output.finished_req_ids or ())
         return super().build_connector_meta(
             scheduler_output_view(scheduler_output, self._groups)
         )
+
+    def _cap_finished_stores(self, finished_req_ids: Iterable[str]) -> None:
+        """A finished request stores only chunks whose GPU blocks it held.
+
+        The pin stores a finished request's chunks up to ``num_tokens`` and
+        asserts that it saw a GPU block for each, which a request aborted
+        while it waited (never scheduled, preempted, or during an async
+        load: its blocks reach the pin only through a scheduled step) did
+        not: the engine core died on such a client disconnect (soak run 2).
+        It would also store a chunk whose KV was never computed (a request
+        aborted mid-prefill holds blocks for tokens it never ran). Capping
+        ``max_offload_tokens`` at the blocks seen and at the computed tokens
+        stores exactly the KV that exists on the GPU, and nothing for a
+        request that held none."""
+        status = getattr(self.connector_scheduler, _REQ_STATUS)
+        for req_id in finished_req_ids:
+            st = status.get(req_id)
+            if st is None or not st.req.is_finished():
+                continue
+            held = min(
+                st.req.num_computed_tokens,
+                *(
+                    len(gs.block_ids) * gc.tokens_per_block
+                    for gc, gs in zip(st.config.kv_group_configs, st.group_states)
+                ),
+            )
+            if st.max_offload_tokens is None or st.max_offload_tokens > held:
+                st.max_offload_tokens = held
 
     def _fence(self, block_ids: Iterable[int]) -> None:
         """Report GPU blocks newly leased to resident/hot groups as

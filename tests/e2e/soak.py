@@ -487,8 +487,13 @@ def follow(llm, work: Path, deadline: float) -> dict:
     join, trace, feed = logic.TraceJoin(), JsonLines(work / "trace.jsonl"), \
         JsonLines(work / "requests.jsonl")
     records: dict[str, dict] = {}
-    t0 = time.time()
+    t0 = last_report = time.time()
     while time.time() < deadline and tap.plan is not None:  # None: diverged
+        if time.time() - last_report > 30:
+            last_report = time.time()
+            log("replay:", {"followed": len(join.kept), "replayed": len(tap.steps),
+                            "pending": len(join.pending), "skipped": join.skipped,
+                            "foreign": len(join.foreign), "records": len(records)})
         for item in feed.read():
             join.feed(item)
         for step in trace.read():
@@ -510,6 +515,11 @@ def follow(llm, work: Path, deadline: float) -> dict:
         if not outs and not tap.plan:
             time.sleep(0.02)  # waiting for the server's next steps
     tap.streaming = False
+    if tap.diverged is not None:
+        # Into soak_replay.log at once: whatever fails after, this stays.
+        log("replay: diverged", json.dumps({
+            "diverged": tap.diverged, "followed_tail": join.kept[-3:],
+            "replayed_tail": tap.steps[-3:], "after_s": round(time.time() - t0, 1)}))
     left = [k for k in join.added if k not in records]
     return {"records": records, "followed": join.kept, "replayed": tap.steps,
             "diverged": tap.finish(), "skipped_steps": join.skipped,
@@ -571,18 +581,24 @@ async def soak(a) -> dict:
             load = Load(cfg, server, client, http, feed)
             log("load: start", cfg)
             report["load_s"] = round(await load.run(), 1)
-            report["drain_s"] = round(await drain(server, http), 1)
-            report["idle_after"] = await idle_state(server, http)
+            try:
+                report["drain_s"] = round(await drain(server, http), 1)
+                report["idle_after"] = await idle_state(server, http)
+            except httpx.HTTPError as err:
+                # The server is gone (its log says why: scan_log below); the
+                # load's results, the replay and the inputs still report.
+                report["drain_error"] = repr(err)
             report["monitor"] = {"health": load.health, "peak": load.metrics_peak}
             report["pressure"] = {"max_demand_blocks": load.max_demand,
                                   "gpu_blocks": GPU_BLOCKS, "hisparse": logic.counter_deltas(
                                       report["idle_before"]["metrics"],
-                                      report["idle_after"]["metrics"])}
+                                      report.get("idle_after", {}).get("metrics", {}))}
             results = load.results
         report["log"] = logic.scan_log(server.log_text())
     except BaseException:
         if replay is not None:
             replay.kill()  # it would hold the GPU until its deadline
+        keep_inputs(work, out)
         raise
     finally:
         server_alive = server.alive()

@@ -257,7 +257,16 @@ class ScheduleTap:
                 continue
             rid = self.ids.get(key, key)
             if c == ABORTED:
-                self.abort(rid)
+                live = self.sched.requests.get(rid)
+                if live is None or live.is_finished():
+                    # The recorded engine processes client aborts between a
+                    # step's forward and its output (EngineCore's
+                    # _process_aborts_queue), this replay before the next
+                    # schedule: a request at its last token was cut there
+                    # and finished here. It ends at this step either way.
+                    self.events.append([key, 0, ABORTED])
+                else:
+                    self.abort(rid)
                 continue
             request = next((r for r in self.sched.running if r.request_id == rid), None)
             if request is None:

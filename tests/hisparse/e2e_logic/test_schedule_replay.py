@@ -269,3 +269,25 @@ def test_a_streamed_replay_follows_a_schedule_with_client_aborts(arms, async_sch
     assert rtap.finish() is None
     assert rtap.steps == recorded
     assert "q4-rep" not in b.requests and not b.requests
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_abort_that_cut_a_request_at_its_last_token_is_followed(arms, async_scheduling):
+    """R5: a server processes client aborts between a step's forward and its
+    output (EngineCore._process_aborts_queue), the replay before its next
+    schedule. A request the server cut at its last token has finished
+    naturally in the replay by then: the recorded abort is followed, not
+    reported as a divergence (soak runs 13-14 diverged within seconds)."""
+    _, baseline = arms(async_scheduling)
+    b, bd = baseline()
+    calls = scenario()
+    recorded = run(b, bd, replay.ScheduleTap(b), calls, "rec")
+    last = max(i for i, step in enumerate(recorded) for k, n, _ in step if k == "0/c1" and n)
+    assert last + 1 < len(recorded)
+    cut = [list(step) for step in recorded]
+    cut[last + 1] = [["0/c1", 0, replay.ABORTED]] + cut[last + 1]
+    r, rd = baseline()
+    tap = replay.ScheduleTap(r)
+    replayed = run(r, rd, tap, calls, "rep", plan=cut)
+    assert tap.diverged is None
+    assert replayed == cut

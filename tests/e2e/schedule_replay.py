@@ -237,6 +237,7 @@ class ScheduleTap:
                            key=lambda r: order[r.request_id])
         for q, out in zip(queues, hidden):
             q.remove_requests(out)
+            _reorder(q, order)
         self.caps = {self.ids.get(k, k): c for k, _, c in want if c >= 0}
         s.max_num_scheduled_tokens = sum(n for _, n, _ in want)
         try:
@@ -294,6 +295,19 @@ def _admitted(out: Any) -> dict[str, int]:
 def _truncated(blocks: Any, n: int) -> Any:
     """The first ``n`` blocks of every group of a prefix hit."""
     return type(blocks)(tuple(list(group)[:n] for group in blocks.blocks))
+
+
+def _reorder(queue: Any, order: Mapping[str, int]) -> None:
+    """The wanted requests of a waiting queue in the recorded order: the
+    recorded engine may admit in another order than arrival (a request it
+    deferred, or whose offloaded prefix was loading, comes after a younger
+    one in the same step), and a step's order is its batch's row order."""
+    rest = list(queue)
+    if [r.request_id for r in rest] == sorted((r.request_id for r in rest), key=order.get):
+        return
+    queue.remove_requests(rest)
+    for r in sorted(rest, key=lambda r: order[r.request_id]):
+        queue.add_request(r)
 
 
 def _merge(queue: Any, back: list) -> None:

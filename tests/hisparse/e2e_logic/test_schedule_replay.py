@@ -291,3 +291,24 @@ def test_an_abort_that_cut_a_request_at_its_last_token_is_followed(arms, async_s
     replayed = run(r, rd, tap, calls, "rep", plan=cut)
     assert tap.diverged is None
     assert replayed == cut
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_admissions_follow_the_recorded_order_not_arrival(arms, async_scheduling):
+    """R5 / T1: the recorded engine may admit a younger request before an
+    older one in the same step (it deferred the older one, or the older
+    one's offloaded prefix was still loading); a step's order is its
+    batch's row order, so the replay admits in the recorded order."""
+    _, baseline = arms(async_scheduling)
+    b, bd = baseline()
+    calls = [[("a", list(range(2, 42)), 4), ("b", list(range(50, 90)), 4)]]
+    recorded = run(b, bd, replay.ScheduleTap(b), calls, "rec")
+    first = recorded[0]
+    assert [k for k, _, _ in first] == ["0/a", "0/b"] and all(c == 0 for _, _, c in first)
+    plan = [list(step) for step in recorded]
+    plan[0] = [first[1], first[0]]  # b admitted before a
+    r, rd = baseline()
+    tap = replay.ScheduleTap(r)
+    replayed = run(r, rd, tap, calls, "rep", plan=plan)
+    assert tap.diverged is None
+    assert replayed == plan

@@ -193,16 +193,23 @@ def status_of(pid: int | None) -> dict[str, int]:
         return {}
 
 
+PROBE_TOKENS = 2 * 100 + 10
+"""Two of the worker's counter-sampling intervals (STATS_INTERVAL_STEPS)
+and some: the probe's steps issue and read a fresh sample."""
+
+
 async def idle_state(server: Server, http) -> dict:
     """What must be the same before and after the load: the pools reset
     (retried while in-flight offloads still hold blocks), usage 0, nothing
     running, the engine core's locked/pinned memory.
 
     The usage gauge is published with each step's stats, so an idle engine
-    keeps showing its last step: a 1-token probe request runs first, and
-    its finish publishes the pool as it is then."""
+    keeps showing its last step: a probe request runs first, and its finish
+    publishes the pool as it is then. It decodes PROBE_TOKENS, so that the
+    worker also samples its gauges afresh (live hot regions: a slot the
+    worker kept after its request ended would show there)."""
     probe = await http.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0,
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": PROBE_TOKENS, "temperature": 0,
         "request_id": f"probe-{time.time():.3f}"})
     await asyncio.sleep(1)  # the stats of the probe's last step
     reset, attempts = False, 0
@@ -701,6 +708,8 @@ def leak_checks(before: dict, after: dict) -> dict[str, bool]:
         "kv_usage_zero_after_drain": after.get("kv_cache_usage_perc") == 0.0,
         "nothing_running_after_drain": not after.get("running") and not after.get("waiting"),
         "pinned_bytes_unchanged": pinned[0] == pinned[1],
+        "no_live_hot_regions_after_drain":
+            after.get("metrics", {}).get("vllm:hisparse_live_hot_regions") == 0.0,
         # Whether VmLck/VmPin see CUDA-registered memory at all (if not, the
         # pinned check above cannot fail and the pool reset is the evidence).
         "pinned_accounting_visible": pinned[0] > 0,

@@ -203,7 +203,8 @@ def good_run():
         steps.append([[sl.server_key(r["id"]), 100, 0]])
         results.append(r)
     idle = {"reset_prefix_cache": True, "kv_cache_usage_perc": 0.0, "running": 0.0,
-            "waiting": 0.0, "engine_pid": 42, "proc": {"VmLck": 0, "VmPin": 0}}
+            "waiting": 0.0, "engine_pid": 42, "proc": {"VmLck": 0, "VmPin": 0},
+            "metrics": {"vllm:hisparse_live_hot_regions": 0.0}}
     report = {"config": {"duration_s": 360.0}, "load_s": 361.0,
               "pressure": {"max_demand_blocks": 2000, "gpu_blocks": 550, "hisparse": {
                   "vllm:hisparse_lost_pages_total": 40.0,
@@ -233,6 +234,8 @@ def test_a_clean_soak_passes():
     (lambda r, x: r["idle_after"].update(reset_prefix_cache=False), "no_leaks"),
     (lambda r, x: r["idle_after"].update(kv_cache_usage_perc=0.01), "no_leaks"),
     (lambda r, x: r["idle_after"]["proc"].update(VmLck=4), "no_leaks"),
+    (lambda r, x: r["idle_after"]["metrics"].update(
+        {"vllm:hisparse_live_hot_regions": 1.0}), "no_leaks"),
     (lambda r, x: r["idle_after"].update(engine_pid=43), "no_restart"),
     (lambda r, x: r["log"].update(engine_core_pids=[42, 50]), "no_restart"),
     (lambda r, x: r["monitor"]["health"].update(failures=1), "no_restart"),

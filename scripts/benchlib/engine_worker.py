@@ -108,6 +108,7 @@ class Engine:
         self.info["init_s"] = round(time.time() - t0, 1)
         if after_load:
             self.info["seeded_weights"] += "; " + apply_seeded(self.llm)
+        self.info["cpus"] = sorted(os.sched_getaffinity(0))
         self.info["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__,
                                  "cuda": torch.version.cuda,
                                  "gpu": torch.cuda.get_device_name(0)}
@@ -245,6 +246,10 @@ def main() -> int:
         reply.flush()
 
     spec = json.loads(sys.stdin.readline())
+    cpus = os.environ.get("BENCH_TAX_CPUS")  # tax.CPUS_ENV (this module imports no benchlib)
+    if cpus:
+        # Before vLLM and torch start their threads, which inherit it.
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     try:
         engine = Engine(spec)
     except BaseException:  # noqa: BLE001 - the parent records why

@@ -15,7 +15,7 @@ decode ms per step = (t(N + M) - t(M)) / N (stats.decode_ms).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from . import stats, targets
@@ -187,6 +187,23 @@ def step_ms_guess(arm: str, batch: int, layers: int) -> float:
     at batch 1 and 3.9 ms at 16 with 4 layers, on ~1.7-2x)."""
     off = 0.3 + layers * (0.30 + 0.037 * batch)
     return off * (1.9 if ARMS[arm]["hisparse"] else 1.0)
+
+
+CPUS_ENV = "BENCH_TAX_CPUS"
+"""The cores an engine process pins itself to (engine_worker.main)."""
+
+
+def cpu_sets(cpus: Sequence[int], engines: int) -> list[list[int]]:
+    """Disjoint, equal, contiguous core sets, one per engine (the rest of
+    the cores stay unassigned): engines started side by side then never
+    share a core, so one arm's host work cannot slow another's step (run
+    2's profile saw work HiSparse does not change run up to 2x slower in
+    the on arm's process). Fewer cores than engines: no pinning ([])."""
+    cpus = sorted(cpus)
+    per = len(cpus) // engines if engines else 0
+    if per < 1:
+        return [[] for _ in range(engines)]
+    return [cpus[i * per:(i + 1) * per] for i in range(engines)]
 
 
 def estimate_s(cfg: TaxConfig) -> dict:

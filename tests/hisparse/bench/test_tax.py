@@ -353,3 +353,13 @@ def test_python_per_step_attributes_host_time_to_stages_and_hisparse():
     assert prof["python"]["stages_cum_us"]["scheduler.schedule"] == pytest.approx(50)
     with pytest.raises(ValueError):
         tax.python_per_step([], [], 0)
+
+
+def test_engines_get_disjoint_equal_core_sets():
+    """P2's method: engines started side by side never share a core."""
+    sets = tax.cpu_sets(list(range(16)), 4)
+    assert sets == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    sets = tax.cpu_sets([3, 1, 2, 0, 7], 2)
+    assert sets == [[0, 1], [2, 3]]
+    assert tax.cpu_sets([0, 1], 3) == [[], [], []]  # too few cores: no pinning
+    assert tax.cpu_sets([0, 1], 0) == []

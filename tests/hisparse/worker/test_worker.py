@@ -431,17 +431,53 @@ def test_rewritten_rows_drop_hot_entries():
     reallocated host blocks: docs/worker.md K27.)"""
     rig = WorkerRig()
     rt = rig.rt
-    rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
+    rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])  # page 0 host-only
     rig.batch.schedule(computed=[70], scheduled=[1])
     md = attn_metadata(rig.batch, 1, 1)
     rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
     slot = rt.slots.of_region(20)
+    assert rt.slots_with_entries == {slot}
     written_g = 6 * B + 70 - B
     for group in rt.groups:
         group.dgi[slot, :3] = torch.tensor([9 * B + 1, written_g, 5 * B + 7])
     rig.worker.finish_forward()
     for group in rt.groups:
         assert group.dgi[slot, :3].tolist() == [9 * B + 1, -1, 5 * B + 7]
+
+
+def test_no_invalidation_while_no_slot_can_hold_an_entry():
+    """P2, INV-41: only a resolver miss fills a hot slot, and only a request
+    with a host-only context page can miss. A region whose request has every
+    page resident (a prefix hit whose pages were all adopted) needs no K4
+    launch; the first step with a host-only page makes its slot count, for
+    as long as the slot lives (entries outlive a later restore); a fresh
+    assignment starts clean again."""
+    rig = WorkerRig()
+    rt = rig.rt
+    calls = []
+    k4 = rt.ops.invalidate_written_slots
+    rt.ops = type("Ops", (), {k: staticmethod(getattr(rig.rt.ops, k)) for k in (
+        "resolve_residency", "gather_compact", "gather_plan", "copy_descriptors")})
+    rt.ops.invalidate_written_slots = staticmethod(
+        lambda *a: (calls.append(1), k4(*a))[1])
+
+    def step(meta, computed=70):
+        rig.batch.schedule(computed=[computed], scheduled=[1])
+        rig.worker.start_step(meta, attn_metadata(rig.batch, 1, 1))
+        rig.worker.finish_forward()
+
+    rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
+    step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]))
+    assert rt.slots.num_live == 1 and not rt.slots_with_entries and not calls
+    rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])  # page 0 lost
+    step(rig.meta())
+    slot = rt.slots.of_region(20)
+    assert rt.slots_with_entries == {slot} and len(calls) == len(rt.groups)
+    rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])  # restored
+    step(rig.meta())
+    assert rt.slots_with_entries == {slot} and len(calls) == 2 * len(rt.groups)
+    step(rig.meta(hot_regions_freed=np.array([20])))
+    assert not rt.slots_with_entries and len(calls) == 2 * len(rt.groups)
 
 
 def test_reused_blocks_are_published_for_the_offloader():

@@ -356,6 +356,14 @@ class HiSparseRuntime:
         """This step's decode-path extends (K13), if the decode rows of the
         batch are short prefill chunks rather than single tokens."""
         self.regions_assigned = 0
+        self.slots_with_entries: set[int] = set()
+        """Live slots whose hot rows may hold entries. Only a resolver miss
+        inserts one, and only a request with a host-only context page (a
+        null resident entry) can miss; a slot joins this set at the first
+        step its request has one and leaves it when reset (assigned) or
+        released. K4 runs while the set is not empty (P2: a prefix hit
+        gets a region, and at no pressure all its pages are adopted, so
+        no K4 launch per index group per step)."""
         self.staging_blocks_peak = 0
         """Most in-slab staging blocks one step's extends used since the
         metrics sampler last read it (C12)."""
@@ -373,10 +381,6 @@ class HiSparseRuntime:
     def hot_group(self, layer: LayerViews) -> int:
         return self.hot_group_ids[layer.pair]
 
-    @property
-    def has_hot_requests(self) -> bool:
-        return self.slots.num_live > 0
-
     # ------------------------------------------------------- hot regions
 
     def apply_hot_regions(
@@ -391,6 +395,7 @@ class HiSparseRuntime:
             if any(s is None for s in released):
                 missing = [int(b) for b, s in zip(freed, released) if s is None]
                 raise RuntimeError(f"HiSparse: freed unknown hot regions {missing}")
+            self.slots_with_entries.difference_update(released)
         if allocated.size:
             if len(requests) != allocated.size:
                 raise RuntimeError(
@@ -400,6 +405,7 @@ class HiSparseRuntime:
             self.regions_assigned += int(allocated.size)
             slots = [self.slots.assign(int(b), r) for b, r in zip(allocated, requests)]
             self.reset_slots(self._index(np.asarray(slots, dtype=np.int64)))
+            self.slots_with_entries.difference_update(slots)
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Every slot's dgi row to -1 and lru row to 0..H-1 (4.8 step 1)."""
@@ -422,7 +428,25 @@ class HiSparseRuntime:
         row_req[:num_tokens] = self.tables.token_rows()[:num_tokens]
         self._request_slots(req_state[:num_reqs])
         self.step_inputs.send()
+        self._note_slots_that_may_miss(req_state[:num_reqs])
         self.step_active = True
+
+    def _note_slots_that_may_miss(self, state: np.ndarray) -> None:
+        """Slots of this step's rows whose request has a host-only context
+        page join ``slots_with_entries`` (before the forward whose resolver
+        may fill them). O(rows with a slot not yet in the set)."""
+        if not self.slots.of_request:
+            return
+        rows = np.nonzero(
+            (state != self.resident_only_slot)
+            & ~np.isin(state, list(self.slots_with_entries))
+        )[0]
+        if rows.size == 0:
+            return
+        seq = np.asarray(self.tables.seq_lens_cpu()[rows], dtype=np.int64)
+        resident = self.tables.host(self.resident_group_ids[0])
+        backed = host_backed_rows(resident, rows, seq, self.block_size)
+        self.slots_with_entries.update(int(s) for s in state[backed])
 
     def _request_slots(self, state: np.ndarray) -> None:
         """Each row's request-state slot into ``state`` (int32 [num_reqs]),
@@ -614,7 +638,7 @@ class HiSparseRuntime:
     def invalidate_written(self, num_tokens: int) -> None:
         """K4 after the forward: hot entries of rows this forward rewrote
         (4.8 trigger 3), with the source slot mapping (host row per token)."""
-        if not self.has_hot_requests or num_tokens == 0:
+        if not self.slots_with_entries or num_tokens == 0:
             return
         written = self.tables.slot_mapping(self.source_group_id)[:num_tokens]
         token_req = self.row_req[:num_tokens]

@@ -16,6 +16,7 @@ import pytest
 import run_e2e
 import soak
 import soak_logic as sl
+from dry_follow import Engine, QueueEngine
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
@@ -42,53 +43,6 @@ def action(rid, prompt, max_tokens, parent=None, new=None):
     return sl.Action(id=rid, user=0, conv=rid, turn=0 if parent is None else 1, parent=parent,
                      new=list(new if new is not None else prompt), prompt=list(prompt),
                      max_tokens=max_tokens, stream=True, disconnect=None, after=0.0, think_s=0.0)
-
-
-class Engine:
-    """What follow() uses of vLLM's LLMEngine, over a real scheduler with
-    the async engine loop (one step in flight)."""
-
-    def __init__(self, scheduler) -> None:
-        self.s = scheduler
-        self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
-        self.in_flight = None
-        self.external, self.tokens = {}, {}
-
-    def add_request(self, key, prompt, params) -> str:
-        r = make_request(f"{key}-replay", prompt["prompt_token_ids"], params.max_tokens)
-        self.s.add_request(r)
-        self.external[r.request_id], self.tokens[r.request_id] = key, []
-        return r.request_id
-
-    def has_unfinished_requests(self) -> bool:
-        return self.s.has_unfinished_requests() or self.in_flight is not None
-
-    def step(self) -> list:
-        so = self.s.schedule()
-        outs = []
-        if self.in_flight is not None:
-            prev = self.in_flight
-            for eco in self.s.update_from_output(prev, model_output(self.s, prev, None)).values():
-                for o in eco.outputs:
-                    self.tokens[o.request_id] += o.new_token_ids
-                    if o.finish_reason is not None:
-                        toks = self.tokens[o.request_id]
-                        outs.append(SimpleNamespace(
-                            request_id=self.external[o.request_id], finished=True,
-                            outputs=[SimpleNamespace(
-                                token_ids=toks, finish_reason="length",
-                                logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in toks])]))
-        self.in_flight = so if so.num_scheduled_tokens else None
-        return outs
-
-    def abort_request(self, ids, internal=False) -> None:
-        """As LLMEngine's: the output processor forwards only requests it
-        still tracks, so an abort of a finished request never reaches the
-        scheduler."""
-        assert internal
-        live = [i for i in ids if i in self.s.requests and not self.s.requests[i].is_finished()]
-        if live:
-            self.s.finish_requests(live, RequestStatus.FINISHED_ABORTED)
 
 
 def serve(tmp_path, monkeypatch):
@@ -158,43 +112,6 @@ def test_the_replay_follows_the_server_and_finishes_what_it_finished(tmp_path, m
 
 
 # ------------------------------------------------- a soak-shaped load
-
-
-class QueueEngine(Engine):
-    """vLLM's EngineCore.step_with_batch_queue (batch queue of 2) under the
-    LLMEngine calls follow() makes: a schedule that admits nothing still
-    takes a slot of the queue (the replay schedules empty steps while it
-    waits for the server's next ones), and outputs come one call later."""
-
-    def __init__(self, scheduler) -> None:
-        super().__init__(scheduler)
-        self.queue: list = []
-
-    def has_unfinished_requests(self) -> bool:
-        return self.s.has_unfinished_requests() or bool(self.queue)
-
-    def step(self) -> list:
-        if self.s.has_requests():
-            so = self.s.schedule()
-            self.queue.insert(0, so)
-            if len(self.queue) < 2 and (so.total_num_scheduled_tokens > 0
-                                        or self.s.has_requests()):
-                return []
-        elif not self.queue:
-            return []
-        prev = self.queue.pop()
-        outs = []
-        for eco in self.s.update_from_output(prev, model_output(self.s, prev, None)).values():
-            for o in eco.outputs:
-                self.tokens[o.request_id] += o.new_token_ids
-                if o.finish_reason is not None and o.finish_reason.name != "ABORT":
-                    toks = self.tokens[o.request_id]
-                    outs.append(SimpleNamespace(
-                        request_id=self.external[o.request_id], finished=True,
-                        outputs=[SimpleNamespace(
-                            token_ids=toks, finish_reason="length",
-                            logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in toks])]))
-        return outs
 
 
 class ServerDriver(AsyncDriver):
@@ -313,3 +230,34 @@ def test_a_soak_shaped_load_is_followed_to_the_end(tmp_path, monkeypatch, seed):
     # aborted after its last recorded step (aborted there, naturally
     # finished here): never compared.
     assert set(got) - set(served) <= aborted
+
+
+def test_dry_follow_checks_a_saved_soak_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """R5's diagnosis path: the inputs a soak keeps beside soak.json
+    (gzipped) are followed on a CPU scheduler by tests/e2e/dry_follow.py;
+    a schedule it cannot take is reported with exit 1, missing inputs with
+    exit 2."""
+    import gzip
+
+    import dry_follow
+
+    work, _, _ = soak_load(tmp_path, monkeypatch, seed=6)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in ("trace.jsonl", "requests.jsonl"):
+        with open(work / name, "rb") as src, gzip.open(kept / f"{name}.gz", "wb") as dst:
+            dst.write(src.read())
+    assert dry_follow.main([str(kept)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["diverged"] is None and out["followed"] == out["replayed"] > 0
+    # A step the replay cannot take: a request's prefill chunk doubled.
+    lines = (work / "trace.jsonl").read_text().splitlines()
+    i, step = next((i, json.loads(s)) for i, s in enumerate(lines)
+                   if any(n > 1 for _, n, _ in json.loads(s)))
+    k = next(j for j, (_, n, _) in enumerate(step) if n > 1)
+    step[k][1] *= 2
+    lines[i] = json.dumps(step)
+    (work / "trace.jsonl").write_text("\n".join(lines) + "\n")
+    assert dry_follow.main([str(work)]) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["diverged"] is not None
+    assert dry_follow.main([str(tmp_path / "nothing")]) == 2

@@ -387,8 +387,10 @@ def profile_counts(events: Iterable[Mapping]) -> dict:
 
 
 PYTHON_STAGES = (
-    # (label, function key suffix): cumulative host time per decode step
-    ("engine step", "core.py:(step_with_batch_queue)"),
+    # (label, function key suffixes, "|" between alternatives): cumulative
+    # host time per decode step (run 2 found no step_with_batch_queue: the
+    # in-process engine may step synchronously)
+    ("engine step", "core.py:(step_with_batch_queue)|core.py:(step)"),
     ("scheduler.schedule", "scheduler.py:(schedule)"),
     ("scheduler.update_from_output", "scheduler.py:(update_from_output)"),
     ("runner.execute_model", "gpu_model_runner.py:(execute_model)"),
@@ -431,7 +433,8 @@ def python_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: in
 
     self_us, cum_us = per_step("tottime"), per_step("cumtime")
     calls = per_step("calls")
-    stages = {label: round(sum(v for k, v in cum_us.items() if _stage_match(k, pat)), 1)
+    stages = {label: round(sum(v for k, v in cum_us.items()
+                               if any(_stage_match(k, p) for p in pat.split("|"))), 1)
               for label, pat in PYTHON_STAGES}
     return {
         "note": "cProfile slows Python: shares of the host time, not wall time",

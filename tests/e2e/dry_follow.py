@@ -73,20 +73,25 @@ class Engine:
 
     def step(self) -> list:
         so = self.s.schedule()
-        outs = []
-        if self.in_flight is not None:
-            prev = self.in_flight
-            for eco in self.s.update_from_output(prev, model_output(self.s, prev, None)).values():
-                for o in eco.outputs:
-                    self.tokens[o.request_id] += o.new_token_ids
-                    if o.finish_reason is not None:
-                        toks = self.tokens[o.request_id]
-                        outs.append(SimpleNamespace(
-                            request_id=self.external[o.request_id], finished=True,
-                            outputs=[SimpleNamespace(
-                                token_ids=toks, finish_reason="length",
-                                logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in toks])]))
+        outs = [] if self.in_flight is None else self._outputs(self.in_flight)
         self.in_flight = so if so.num_scheduled_tokens else None
+        return outs
+
+    def _outputs(self, so) -> list:
+        """``so``'s model output applied; the requests it finished, as
+        LLMEngine reports them (an aborted request is never reported)."""
+        outs = []
+        for eco in self.s.update_from_output(so, model_output(self.s, so, None)).values():
+            for o in eco.outputs:
+                self.tokens[o.request_id] += o.new_token_ids
+                if o.finish_reason is None or o.finish_reason.name == "ABORT":
+                    continue
+                toks = self.tokens[o.request_id]
+                outs.append(SimpleNamespace(
+                    request_id=self.external[o.request_id], finished=True,
+                    outputs=[SimpleNamespace(
+                        token_ids=toks, finish_reason="length",
+                        logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in toks])]))
         return outs
 
     def abort_request(self, ids, internal=False) -> None:
@@ -97,7 +102,6 @@ class Engine:
         live = [i for i in ids if i in self.s.requests and not self.s.requests[i].is_finished()]
         if live:
             self.s.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-
 
 
 class QueueEngine(Engine):
@@ -122,20 +126,7 @@ class QueueEngine(Engine):
                 return []
         elif not self.queue:
             return []
-        prev = self.queue.pop()
-        outs = []
-        for eco in self.s.update_from_output(prev, model_output(self.s, prev, None)).values():
-            for o in eco.outputs:
-                self.tokens[o.request_id] += o.new_token_ids
-                if o.finish_reason is not None and o.finish_reason.name != "ABORT":
-                    toks = self.tokens[o.request_id]
-                    outs.append(SimpleNamespace(
-                        request_id=self.external[o.request_id], finished=True,
-                        outputs=[SimpleNamespace(
-                            token_ids=toks, finish_reason="length",
-                            logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in toks])]))
-        return outs
-
+        return self._outputs(self.queue.pop())
 
 
 def _inputs(folder: Path, work: Path) -> None:

@@ -338,6 +338,8 @@ def test_python_per_step_attributes_host_time_to_stages_and_hisparse():
              "tottime": 40e-6 * k, "cumtime": 40e-6 * k},
             {"fn": "vllm/v1/worker/gpu_model_runner.py:3000(execute_model)", "calls": k,
              "tottime": 5e-6 * k, "cumtime": 400e-6 * k},
+            {"fn": "vllm/v1/engine/core.py:576(step)", "calls": k,
+             "tottime": 0.0, "cumtime": 700e-6 * k},
         ]
     p = tax.python_per_step(ev(16), ev(144), 128)
     st = p["stages_cum_us"]
@@ -345,6 +347,7 @@ def test_python_per_step_attributes_host_time_to_stages_and_hisparse():
     assert st["hisparse start_step"] == pytest.approx(90)
     assert st["runner.execute_model"] == pytest.approx(400)
     assert st["hisparse finish_forward"] == 0
+    assert st["engine step"] == pytest.approx(700)  # the synchronous alternative
     assert p["hisparse_self_us"] == pytest.approx(70)
     assert p["self_us_total"] == pytest.approx(96)
     assert p["top_self"][0]["fn"].endswith("(prepare_forward)")

@@ -271,6 +271,43 @@ def test_without_the_fence_the_store_copies_a_clobbered_block(rig, monkeypatch):
 # ------------------------------------------------------- conversations
 
 
+def converse(r: Rig, rng: random.Random, *, prompt_seed: int, turns: int,
+             abort_p: float = 0.0) -> dict:
+    """Six multi-turn conversations (each turn = the previous turn's tokens
+    + a new message) until every turn ran; with ``abort_p``, each live
+    request is aborted by its client with that probability per step (a
+    disconnected turn still has its follow-up). Returns the aborts by the
+    request's status when it was aborted."""
+    convs = {f"c{i}": (prompt(rng.randint(200, 500), prompt_seed + i), turns)
+             for i in range(6)}
+    live: dict[str, object] = {}
+    aborted: dict[RequestStatus, int] = {}
+    n = 0
+    while convs or live:
+        for conv in list(convs):
+            if conv not in live:
+                tokens, left = convs.pop(conv)
+                req = make_request(f"{conv}.{n}", tokens, rng.randint(1, 6))
+                n += 1
+                r.scheduler.add_request(req)
+                live[conv] = (req, left - 1)
+        if abort_p:
+            for req, _ in list(live.values()):
+                if not req.is_finished() and rng.random() < abort_p:
+                    aborted[req.status] = aborted.get(req.status, 0) + 1
+                    r.scheduler.finish_requests([req.request_id],
+                                                RequestStatus.FINISHED_ABORTED)
+        r.step()
+        for conv, (req, left) in list(live.items()):
+            if req.is_finished():
+                del live[conv]
+                if left:
+                    suffix = prompt(rng.randint(20, 120), n)
+                    convs[conv] = (list(req.all_token_ids) + suffix, left)
+        assert r.worker.step_no < 5000
+    return aborted
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_randomized_conversations_under_pressure(rig, seed):
     """Multi-turn conversations (each turn = the previous turn's tokens +
@@ -286,27 +323,7 @@ def test_randomized_conversations_under_pressure(rig, seed):
         copy_delay=rng.randint(0, 2),
         faults=Faults(max_delay=2),
     )
-    turns = {
-        f"c{i}": (prompt(rng.randint(200, 500), 1000 * seed + i), 5) for i in range(6)
-    }
-    live: dict[str, object] = {}
-    n = 0
-    while turns or live:
-        for conv in list(turns):
-            if conv not in live:
-                tokens, left = turns.pop(conv)
-                req = make_request(f"{conv}.{n}", tokens, rng.randint(1, 6))
-                n += 1
-                r.scheduler.add_request(req)
-                live[conv] = (req, left - 1)
-        r.step()
-        for conv, (req, left) in list(live.items()):
-            if req.is_finished():
-                del live[conv]
-                if left:
-                    suffix = prompt(rng.randint(20, 120), n)
-                    turns[conv] = (list(req.all_token_ids) + suffix, left)
-        assert r.worker.step_no < 5000
+    converse(r, rng, prompt_seed=1000 * seed, turns=5)
     r.finish()
     assert r.offload.loads_verified >= 5 and r.stats.external.hits >= 5 * B
     assert r.hisparse.stats.lost_pages > 0
@@ -440,31 +457,6 @@ def test_randomized_conversations_with_client_aborts(rig, seed):
         copy_delay=rng.randint(1, 2),
         faults=Faults(max_delay=2),
     )
-    turns = {
-        f"c{i}": (prompt(rng.randint(200, 500), 7000 * seed + i), 6) for i in range(6)
-    }
-    live: dict[str, object] = {}
-    aborted: dict[RequestStatus, int] = {}
-    n = 0
-    while turns or live:
-        for conv in list(turns):
-            if conv not in live:
-                tokens, left = turns.pop(conv)
-                req = make_request(f"{conv}.{n}", tokens, rng.randint(1, 6))
-                n += 1
-                r.scheduler.add_request(req)
-                live[conv] = (req, left - 1)
-        for conv, (req, left) in list(live.items()):
-            if not req.is_finished() and rng.random() < 0.08:
-                aborted[req.status] = aborted.get(req.status, 0) + 1
-                r.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
-        r.step()
-        for conv, (req, left) in list(live.items()):
-            if req.is_finished():
-                del live[conv]
-                if left:
-                    suffix = prompt(rng.randint(20, 120), n)
-                    turns[conv] = (list(req.all_token_ids) + suffix, left)
-        assert r.worker.step_no < 5000
+    aborted = converse(r, rng, prompt_seed=7000 * seed, turns=6, abort_p=0.08)
     r.finish()
     assert sum(aborted.values()) >= 5, aborted

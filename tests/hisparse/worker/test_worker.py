@@ -480,6 +480,18 @@ def test_no_invalidation_while_no_slot_can_hold_an_entry():
     assert not rt.slots_with_entries and len(calls) == 2 * len(rt.groups)
 
 
+def test_the_runner_skips_exactly_the_virtual_groups():
+    """P2 (runner hook in _build_attention_metadata): the groups without an
+    attention module, the resident and hot ones, by id; not the source and
+    indexer groups, whose metadata the sparse-MLA layers read."""
+    rig = WorkerRig()
+    layout = rig.layout
+    assert rig.rt.virtual_group_ids == set(layout.resident_group_ids) | set(
+        layout.hot_group_ids)
+    assert layout.SOURCE_GROUP_ID not in rig.rt.virtual_group_ids
+    assert layout.INDEXER_GROUP_ID not in rig.rt.virtual_group_ids
+
+
 def test_reused_blocks_are_published_for_the_offloader():
     """F16: the step's reused GPU blocks reach the HiSparse-aware offloader."""
     rig = WorkerRig()

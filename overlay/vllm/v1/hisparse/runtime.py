@@ -330,6 +330,9 @@ class HiSparseRuntime:
         self.groups = tuple(groups)
         self.resident_group_ids = tuple(resident_group_ids)
         self.hot_group_ids = tuple(hot_group_ids)
+        self.virtual_group_ids = frozenset(self.resident_group_ids + self.hot_group_ids)
+        """KV-cache groups without an attention module (the runner builds no
+        attention metadata for them: one set lookup per group per step)."""
         self.source_group_id = source_group_id
         self.tables = tables
         self.ops = ops

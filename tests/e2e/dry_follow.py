@@ -6,8 +6,10 @@ and the client's feed (``requests.jsonl.gz``) beside ``soak.json``. This
 runs the soak's own ``follow()`` over them with vLLM's real scheduler
 (HiSparse off, the soak's limits, a pool as large as the replay's) in an
 engine stand-in with vLLM's batch queue: a schedule the replay cannot
-follow shows here in seconds, with the step where it diverges. Tokens are
-stand-ins (``harness.model_output``), so only the schedule is checked.
+follow shows here in seconds, with the step where it diverges. Only the
+schedule is checked: the stand-in model samples each request's recorded
+output tokens (the feed's ``tokens``, so a follow-up's prefix hit over its
+parent's output hashes as on the server) and a stand-in token past them.
 
 usage: .venv/bin/python tests/e2e/dry_follow.py DIR
   DIR  a folder holding trace.jsonl[.gz] and requests.jsonl[.gz]
@@ -56,11 +58,13 @@ class Engine:
     """What follow() uses of vLLM's LLMEngine, over a real scheduler with
     the async engine loop (one step in flight)."""
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler, recorded: dict[str, list[int]] | None = None) -> None:
         self.s = scheduler
         self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
         self.in_flight = None
         self.external, self.tokens = {}, {}
+        self.recorded = recorded or {}
+        """Server request key -> the output tokens the server returned."""
 
     def add_request(self, key, prompt, params) -> str:
         r = make_request(f"{key}-replay", prompt["prompt_token_ids"], params.max_tokens)
@@ -81,7 +85,7 @@ class Engine:
         """``so``'s model output applied; the requests it finished, as
         LLMEngine reports them (an aborted request is never reported)."""
         outs = []
-        for eco in self.s.update_from_output(so, model_output(self.s, so, None)).values():
+        for eco in self.s.update_from_output(so, self._model_output(so)).values():
             for o in eco.outputs:
                 self.tokens[o.request_id] += o.new_token_ids
                 if o.finish_reason is None or o.finish_reason.name == "ABORT":
@@ -93,6 +97,18 @@ class Engine:
                         token_ids=toks, finish_reason="length",
                         logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in toks])]))
         return outs
+
+    def _model_output(self, so):
+        """The harness's model output with each sampled token replaced by
+        the request's recorded one at that position, where recorded."""
+        out = model_output(self.s, so, None)
+        for i, rid in enumerate(out.req_ids):
+            rec = self.recorded.get(self.external.get(rid, ""))
+            sampled = out.sampled_token_ids[i]
+            at = len(self.s.requests[rid].output_token_ids) if rid in self.s.requests else 0
+            if rec and len(sampled) == 1 and at < len(rec):
+                out.sampled_token_ids[i] = [rec[at]]
+        return out
 
     def abort_request(self, ids, internal=False) -> None:
         """As LLMEngine's: the output processor forwards only requests it
@@ -110,8 +126,8 @@ class QueueEngine(Engine):
     takes a slot of the queue (the replay schedules empty steps while it
     waits for the server's next ones), and outputs come one call later."""
 
-    def __init__(self, scheduler) -> None:
-        super().__init__(scheduler)
+    def __init__(self, scheduler, recorded: dict[str, list[int]] | None = None) -> None:
+        super().__init__(scheduler, recorded)
         self.queue: list = []
 
     def has_unfinished_requests(self) -> bool:
@@ -141,6 +157,19 @@ def _inputs(folder: Path, work: Path) -> None:
             raise FileNotFoundError(f"{folder} has neither {name} nor {name}.gz")
 
 
+def recorded_outputs(requests_jsonl: Path) -> dict[str, list[int]]:
+    """Server request key -> output tokens, from the feed's ``tokens`` lines."""
+    from soak_logic import server_key
+
+    out = {}
+    with open(requests_jsonl) as f:
+        for line in f:
+            d = json.loads(line)
+            if "tokens" in d and "id" in d:
+                out[server_key(d["id"])] = list(d["tokens"])
+    return out
+
+
 def dry_follow(folder: Path, timeout_s: float = 600.0) -> dict:
     """follow() over a soak's saved inputs on a CPU scheduler."""
     import soak
@@ -153,7 +182,8 @@ def dry_follow(folder: Path, timeout_s: float = 600.0) -> dict:
             num_gpu_blocks=REPLAY_BLOCKS), async_scheduling=True,
             max_num_batched_tokens=soak.CHUNK, max_num_seqs=soak.MAX_NUM_SEQS,
             max_model_len=soak.MAX_MODEL_LEN)
-        out = soak.follow(SimpleNamespace(llm_engine=QueueEngine(s)), work,
+        engine = QueueEngine(s, recorded_outputs(work / "requests.jsonl"))
+        out = soak.follow(SimpleNamespace(llm_engine=engine), work,
                           deadline=time.time() + timeout_s)
     return {"diverged": out["diverged"], "followed": len(out["followed"]),
             "replayed": len(out["replayed"]), "records": len(out["records"]),

@@ -261,3 +261,37 @@ def test_dry_follow_checks_a_saved_soak_on_the_cpu(tmp_path, monkeypatch, capsys
     assert dry_follow.main([str(work)]) == 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["diverged"] is not None
     assert dry_follow.main([str(tmp_path / "nothing")]) == 2
+
+
+def test_dry_follow_samples_each_requests_recorded_output(tmp_path):
+    """R5's diagnosis path on a real soak: a follow-up's prompt carries its
+    parent's output as the server produced it, so the CPU follower must
+    sample those tokens, or the follow-up's prefix hit over them (hashed
+    blocks) is shorter than the server's and the follow diverges where the
+    GPU replay did not (soak run 15 diverged at step 96 before this, and
+    followed all 32,263 steps after). Past the recorded tokens (a request
+    the client cut), the stand-in model's own tokens."""
+    from dry_follow import recorded_outputs
+
+    feed = tmp_path / "requests.jsonl"
+    feed.write_text("\n".join(json.dumps(d) for d in (
+        {"id": "u0-1", "sent": {"id": "u0-1"}}, {"id": "u0-1", "tokens": [101, 102, 103]},
+        {"end": True})) + "\n")
+    recorded = recorded_outputs(feed)
+    assert recorded == {sl.server_key("u0-1"): [101, 102, 103]}
+    s = make_scheduler(tmp_path / "dry", baseline_kv_cache_config(num_gpu_blocks=50),
+                       async_scheduling=True, max_num_batched_tokens=256)
+    engine = Engine(s, recorded)
+    params = run_e2e.sampling(5)
+    engine.add_request(sl.server_key("u0-1"), {"prompt_token_ids": list(range(2, 150))}, params)
+    other = engine.add_request("unrecorded", {"prompt_token_ids": list(range(300, 400))}, params)
+    done = {}
+    for _ in range(50):
+        for o in engine.step():
+            done[o.request_id] = o.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    got = done[sl.server_key("u0-1")]
+    assert got[:3] == [101, 102, 103] and len(got) == 5
+    assert got[3:] != [101, 102]  # the stand-in past the record
+    assert len(done[other and "unrecorded"]) == 5  # no record: the stand-in alone

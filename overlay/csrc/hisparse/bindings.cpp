@@ -31,6 +31,12 @@ STABLE_TORCH_LIBRARY(hisparse_ops, m) {
   m.def(
       "copy_descriptors(Tensor src_ptr, Tensor dst_ptr, Tensor nbytes) -> ()");
   m.def(
+      "mirror_descriptors(Tensor slot_ptrs, Tensor source_slots, "
+      "Tensor pair_of_layer, Tensor src_base, Tensor dst_base, "
+      "Tensor(a!) src, Tensor(b!) dst, Tensor(c!) nbytes, int first, int n, "
+      "int slot_len, int block_size, int bytes_per_block, int row_bytes) "
+      "-> ()");
+  m.def(
       "resolver_smem_bytes(int top_k, int max_query_len, int hot_size) "
       "-> int");
 }
@@ -42,6 +48,7 @@ STABLE_TORCH_LIBRARY_IMPL(hisparse_ops, CUDA, m) {
   m.impl("invalidate_written_slots",
          TORCH_BOX(&hisparse::invalidate_written_slots));
   m.impl("copy_descriptors", TORCH_BOX(&hisparse::copy_descriptors));
+  m.impl("mirror_descriptors", TORCH_BOX(&hisparse::mirror_descriptors));
 }
 
 // No tensor arguments, hence no device to dispatch on.

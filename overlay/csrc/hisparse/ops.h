@@ -48,4 +48,12 @@ void invalidate_written_slots(Tensor dgi, const Tensor& req_state,
 void copy_descriptors(const Tensor& src_ptr, const Tensor& dst_ptr,
                       const Tensor& nbytes);
 
+// K5b (docs/kernels.md): the row mirror's K5 descriptors of one step.
+void mirror_descriptors(const Tensor& slot_ptrs, const Tensor& source_slots,
+                        const Tensor& pair_of_layer, const Tensor& src_base,
+                        const Tensor& dst_base, Tensor src, Tensor dst,
+                        Tensor nbytes, int64_t first, int64_t n,
+                        int64_t slot_len, int64_t block_size,
+                        int64_t bytes_per_block, int64_t row_bytes);
+
 }  // namespace hisparse

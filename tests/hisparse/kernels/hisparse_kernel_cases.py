@@ -455,3 +455,33 @@ def random_plan(rows: int, top_k: int, src_rows: int, dst_rows: int,
                            dtype=torch.int32)
     counts = choices[torch.randint(0, len(choices), (rows,), generator=gen)]
     return (src.view(rows, top_k), dst.view(rows, top_k), counts)
+
+
+def mirror_case(seed: int, groups: int = 4, layers_per_group: int = 2,
+                max_tokens: int = 96, block_size: int = 64) -> dict:
+    """Inputs of K5b (mirror_descriptors) as the worker passes them: the
+    resident groups' slot mappings (-1 = padding), the source group's, the
+    layers' groups and byte bases, for a slab of 656-B rows."""
+    gen = torch.Generator().manual_seed(seed)
+    row_bytes = 656
+    slots = [torch.randint(-1, 40 * block_size, (max_tokens,), dtype=torch.int64,
+                           generator=gen) for _ in range(groups)]
+    source = torch.randint(-1, 5000, (max_tokens,), dtype=torch.int64, generator=gen)
+    pair = torch.arange(groups, dtype=torch.int64).repeat_interleave(layers_per_group)
+    layers = pair.shape[0]
+    return dict(resident_slots=slots, source_slots=source, pair_of_layer=pair,
+                src_base=torch.randint(1 << 40, 1 << 41, (layers,), dtype=torch.int64,
+                                       generator=gen),
+                dst_base=torch.randint(1 << 42, 1 << 43, (layers,), dtype=torch.int64,
+                                       generator=gen),
+                src=torch.full((layers * max_tokens,), -7, dtype=torch.int64),
+                dst=torch.full((layers * max_tokens,), -7, dtype=torch.int64),
+                nbytes=torch.full((layers * max_tokens,), -7, dtype=torch.int64),
+                block_size=block_size, bytes_per_block=block_size * row_bytes + 128,
+                row_bytes=row_bytes)
+
+
+def mirror_case_to(case: dict, device: str) -> dict:
+    return {k: ([t.to(device) for t in v] if isinstance(v, list)
+                else v.to(device) if isinstance(v, torch.Tensor) else v)
+            for k, v in case.items()}

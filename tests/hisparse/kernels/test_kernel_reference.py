@@ -811,3 +811,26 @@ def test_fuzzer_is_seeded():
     assert torch.equal(a.topk, b.topk) and torch.equal(a.src_bt, b.src_bt)
     c = ResolveFuzzer(FuzzSpec(top_k=9, hot_size=18, seed=5)).step()
     assert not torch.equal(a.topk, c.topk)
+
+
+@pytest.mark.parametrize("first, n", [(0, 96), (5, 40), (90, 6), (17, 0)])
+def test_k5b_mirror_descriptors_equal_the_literal_rule(first, n):
+    """K5b (docs/kernels.md): descriptor l * n + t copies token first + t's
+    row of layer l's resident group to its host row, 0 bytes where either
+    slot is padding; entries past L * n are untouched."""
+    from hisparse_kernel_cases import mirror_case
+
+    c = mirror_case(seed=first + n)
+    reference.ref_mirror_descriptors(**c, first=first, n=n)
+    L = c["pair_of_layer"].shape[0]
+    B, bpb, W = c["block_size"], c["bytes_per_block"], c["row_bytes"]
+    for l in range(L):
+        slots = c["resident_slots"][int(c["pair_of_layer"][l])]
+        for t in range(n):
+            r, h = int(slots[first + t]), int(c["source_slots"][first + t])
+            i = l * n + t
+            rr, hh = max(r, 0), max(h, 0)
+            assert int(c["src"][i]) == int(c["src_base"][l]) + rr // B * bpb + rr % B * W
+            assert int(c["dst"][i]) == int(c["dst_base"][l]) + hh * W
+            assert int(c["nbytes"][i]) == (W if r >= 0 and h >= 0 else 0)
+    assert (c["nbytes"][L * n:] == -7).all()

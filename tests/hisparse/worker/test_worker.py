@@ -457,7 +457,8 @@ def test_no_invalidation_while_no_slot_can_hold_an_entry():
     calls = []
     k4 = rt.ops.invalidate_written_slots
     rt.ops = type("Ops", (), {k: staticmethod(getattr(rig.rt.ops, k)) for k in (
-        "resolve_residency", "gather_compact", "gather_plan", "copy_descriptors")})
+        "resolve_residency", "gather_compact", "gather_plan", "copy_descriptors",
+        "mirror_descriptors")})
     rt.ops.invalidate_written_slots = staticmethod(
         lambda *a: (calls.append(1), k4(*a))[1])
 

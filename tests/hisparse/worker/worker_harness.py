@@ -40,7 +40,7 @@ W = 656
 
 
 class ReferenceOps:
-    """The five ops with the launchers' signatures, on the CPU references."""
+    """The six ops with the launchers' signatures, on the CPU references."""
 
     resolve_residency = staticmethod(reference.ref_resolve)
 
@@ -54,6 +54,7 @@ class ReferenceOps:
 
     invalidate_written_slots = staticmethod(reference.ref_invalidate)
     copy_descriptors = staticmethod(reference.ref_copy_descriptors)
+    mirror_descriptors = staticmethod(reference.ref_mirror_descriptors)
 
 
 @dataclass

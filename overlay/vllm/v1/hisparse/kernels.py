@@ -35,7 +35,8 @@ import torch
 
 LIBRARY_ENV = "HISPARSE_OPS_LIBRARY"
 REQUIRED_OPS = ("resolve_residency", "gather_compact", "gather_plan",
-                "invalidate_written_slots", "copy_descriptors")
+                "invalidate_written_slots", "copy_descriptors",
+                "mirror_descriptors")
 MISSING_MESSAGE = ("HiSparse kernels are missing ({op}); install the "
                    "hisparse_ops extension built for this torch.")
 # Slot ids are int16 (lru), so a hot region holds at most 32768 rows.
@@ -493,6 +494,35 @@ def copy_descriptors(src_ptr: torch.Tensor, dst_ptr: torch.Tensor,
     device = _require_cuda(src_ptr, "src_ptr")
     validate_descriptors(src_ptr, dst_ptr, nbytes, device=device)
     _ops().copy_descriptors(src_ptr, dst_ptr, nbytes)
+
+
+_SLOT_PTRS: dict[tuple[int, ...], torch.Tensor] = {}
+"""(device, buffer addresses) -> the addresses as a device tensor."""
+
+
+def mirror_descriptors(resident_slots: list[torch.Tensor],
+                       source_slots: torch.Tensor, pair_of_layer: torch.Tensor,
+                       src_base: torch.Tensor, dst_base: torch.Tensor,
+                       src: torch.Tensor, dst: torch.Tensor,
+                       nbytes: torch.Tensor, first: int, n: int,
+                       block_size: int, bytes_per_block: int,
+                       row_bytes: int) -> None:
+    """K5b: the row mirror's K5 descriptors for tokens [first, first + n)
+    of every mirrored layer, in one launch (reference.ref_mirror_descriptors
+    states the semantics). ``resident_slots`` are the runner's persistent
+    slot-mapping buffers, passed to the kernel by address."""
+    device = _require_cuda(source_slots, "source_slots")
+    key = (device.index or 0,) + tuple(t.data_ptr() for t in resident_slots)
+    ptrs = _SLOT_PTRS.get(key)
+    if ptrs is None:
+        # Deliberate: one small blocking copy per set of buffers (the
+        # runner allocates them once), never on a later step.
+        ptrs = torch.tensor(key[1:], dtype=torch.int64, device=device)
+        _SLOT_PTRS[key] = ptrs
+    slot_len = min(t.shape[0] for t in resident_slots)
+    _ops().mirror_descriptors(ptrs, source_slots, pair_of_layer, src_base,
+                              dst_base, src, dst, nbytes, first, n, slot_len,
+                              block_size, bytes_per_block, row_bytes)
 
 
 def new_hot_state(num_states: int, hot_size: int,

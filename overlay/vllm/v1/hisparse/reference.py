@@ -419,3 +419,33 @@ def ref_copy_descriptors(src_ptr: torch.Tensor, dst_ptr: torch.Tensor,
     for s, d, n in zip(src_ptr.tolist(), dst_ptr.tolist(), nbytes.tolist()):
         if n > 0 and s != 0 and d != 0:
             ctypes.memmove(d, s, n)
+
+
+def ref_mirror_descriptors(resident_slots: list[torch.Tensor],
+                           source_slots: torch.Tensor,
+                           pair_of_layer: torch.Tensor,
+                           src_base: torch.Tensor, dst_base: torch.Tensor,
+                           src: torch.Tensor, dst: torch.Tensor,
+                           nbytes: torch.Tensor, first: int, n: int,
+                           block_size: int, bytes_per_block: int,
+                           row_bytes: int) -> None:
+    """K5b: descriptor l * n + t (layer l, token first + t) copies the
+    token's row of resident group ``pair_of_layer[l]`` (slot r, in the slab)
+    to its host row h = source_slots[first + t]: src = src_base[l] +
+    (r // block_size) * bytes_per_block + (r % block_size) * row_bytes,
+    dst = dst_base[l] + h * row_bytes, nbytes = row_bytes, or 0 where r or
+    h is negative (padding; r and h clamp at 0 in the addresses)."""
+    if n <= 0:
+        return
+    end = first + n
+    resident = torch.stack([t[first:end] for t in resident_slots])
+    per_layer = resident.index_select(0, pair_of_layer)  # [L, n]
+    host = source_slots[first:end]
+    valid = (per_layer >= 0) & (host >= 0).unsqueeze(0)
+    rows = per_layer.clamp(min=0)
+    src_off = (rows // block_size) * bytes_per_block + (rows % block_size) * row_bytes
+    count = pair_of_layer.shape[0] * n
+    torch.add(src_base.unsqueeze(1), src_off, out=src[:count].view(-1, n))
+    torch.add(dst_base.unsqueeze(1), (host.clamp(min=0) * row_bytes).unsqueeze(0),
+              out=dst[:count].view(-1, n))
+    torch.mul(valid, row_bytes, out=nbytes[:count].view(-1, n))

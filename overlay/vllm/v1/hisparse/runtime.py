@@ -94,7 +94,7 @@ class BatchState(Protocol):
 
 
 class KernelOps(Protocol):
-    """The five HiSparse ops (``vllm.v1.hisparse.kernels`` on CUDA; the CPU
+    """The six HiSparse ops (``vllm.v1.hisparse.kernels`` on CUDA; the CPU
     references of ``vllm.v1.hisparse.reference`` in CPU tests)."""
 
     resolve_residency: Callable[..., None]
@@ -102,6 +102,7 @@ class KernelOps(Protocol):
     gather_plan: Callable[..., None]
     invalidate_written_slots: Callable[..., None]
     copy_descriptors: Callable[..., None]
+    mirror_descriptors: Callable[..., None]
 
 
 @dataclass

@@ -267,23 +267,12 @@ class MirrorPlan:
         self.first_token, self.num_rows = first_token, n
         if n == 0:
             return 0
-        resident, host = written_slots(rt, first_token, num_tokens)
-        per_layer = resident.index_select(0, self._pair_of_layer)  # [L, n]
-        valid = (per_layer >= 0) & (host >= 0).unsqueeze(0)
-        rows = per_layer.clamp(min=0)
-        src_off = (rows // g.block_size) * g.bytes_per_block + (
-            rows % g.block_size
-        ) * g.row_bytes
-        count = self.num_layers * n
-        torch.add(
-            self._src_base.unsqueeze(1), src_off, out=self.src[:count].view(-1, n)
-        )
-        torch.add(
-            self._dst_base.unsqueeze(1),
-            (host.clamp(min=0) * g.row_bytes).unsqueeze(0),
-            out=self.dst[:count].view(-1, n),
-        )
-        torch.mul(valid, g.row_bytes, out=self.nbytes[:count].view(-1, n))
+        tables = rt.tables
+        rt.ops.mirror_descriptors(
+            [tables.slot_mapping(gid) for gid in rt.resident_group_ids],
+            tables.slot_mapping(rt.source_group_id), self._pair_of_layer,
+            self._src_base, self._dst_base, self.src, self.dst, self.nbytes,
+            first_token, n, g.block_size, g.bytes_per_block, g.row_bytes)
         return n
 
     def slice_of(self, range_index: int) -> slice:

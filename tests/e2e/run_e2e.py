@@ -92,7 +92,14 @@ MODELS = {  # name -> make_tiny_glm5.py arguments, index_topk
     "glm_share": (["--index-topk-freq", "2"], INDEX_TOPK),
     # DeepSeek-V3.2 (issue 17 item 4): the second DSA architecture, top-k 2048
     "dsv32": (["--arch", "dsv32"], 2048),
+    # Issue 17 item 2: GLM-5's per-rank shapes at TP 4 and 8 (64 heads / TP)
+    "glm_h16": (["--heads", "16"], INDEX_TOPK),
+    "glm_h8": (["--heads", "8"], INDEX_TOPK),
 }
+FEW_HEADS = ("glm_h16", "glm_h8")
+"""Models below 32 heads per rank: their off arms keep FlashMLA sparse's
+separate FP8 prefill/decode path (the one HiSparse serves), as HiSparse
+sets it, so the two arms run the same kernels."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -132,11 +139,13 @@ def engine_specs() -> dict[str, dict]:
     """name -> {model, mode, chunk, hisparse: None | dict, blocks, offload,
     audit, kind, no_pressure, hot, tp}."""
     def off(model="glm", mode="default", chunk=2048, tp=1):
-        return dict(model=model, mode=mode, chunk=chunk, hisparse=None, tp=tp)
+        return dict(model=model, mode=mode, chunk=chunk, hisparse=None, tp=tp,
+                    separate_prefill=model in FEW_HEADS)
 
     specs_off = {"off_c2k": off(), "off_c8k": off(chunk=8192), "off_eager": off(mode="eager"),
                  "off_fdo": off(mode="fdo"), "off_share": off(model="glm_share"),
-                 "off_tp2": off(tp=2), "off_dsv32": off(model="dsv32")}
+                 "off_tp2": off(tp=2), "off_dsv32": off(model="dsv32"),
+                 "off_h16": off(model="glm_h16"), "off_h8": off(model="glm_h8")}
 
     def on(model="glm", mode="default", chunk=2048, blocks="pressure", offload=False,
            audit=False, kind="pressure", tp=1, **hisparse):
@@ -174,6 +183,11 @@ def engine_specs() -> dict[str, dict]:
         "on_share": on(model="glm_share", offload=True),
         "off_dsv32": off(model="dsv32"),
         "on_dsv32": on(model="dsv32", offload=True),
+        # Issue 17 item 2: 16 and 8 heads per rank (GLM-5 at TP 4 and 8)
+        "off_h16": off(model="glm_h16"),
+        "on_h16": on(model="glm_h16", offload=True),
+        "off_h8": off(model="glm_h8"),
+        "on_h8": on(model="glm_h8", offload=True),
         # E2E-10, two GPUs: one host pool shared by both ranks (rank 0 writes).
         "off_tp2": off(tp=2),
         "on_tp2": on(offload=True, tp=2),
@@ -186,7 +200,7 @@ def engine_specs() -> dict[str, dict]:
 REPLAYS = {
     "rep_c2k": "off_c2k", "rep_c8k": "off_c8k", "rep_eager": "off_eager",
     "rep_fdo": "off_fdo", "rep_share": "off_share", "rep_tp2": "off_tp2",
-    "rep_dsv32": "off_dsv32",
+    "rep_dsv32": "off_dsv32", "rep_h16": "off_h16", "rep_h8": "off_h8",
 }
 """Replay engine -> the off engine whose configuration it has; it replays
 every HiSparse engine of that reference that ran before it."""
@@ -194,7 +208,7 @@ REFERENCE = {
     "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_lazy": "off_c2k",
     "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
-    "on_tp2": "off_tp2", "on_dsv32": "off_dsv32",
+    "on_tp2": "off_tp2", "on_dsv32": "off_dsv32", "on_h16": "off_h16", "on_h8": "off_h8",
 }
 SCENARIO_ORDER = ("single6k", "single12k", "short_topk", "concurrent", "host_prefix",
                   "equal_followups", "long_outputs", "returning", "fault_probe")
@@ -213,6 +227,10 @@ ON_PLAN = {
     "on_share": ["single6k", "host_prefix"],
     "on_tp2": ["single6k", "concurrent", "host_prefix"],
     "on_dsv32": ["single6k", "single12k", "concurrent", "host_prefix", "fault_probe"],
+    # mixed prefill/decode batches (concurrent, equal_followups) on the
+    # separate FP8 path with padded heads
+    "on_h16": ["single6k", "concurrent", "equal_followups", "fault_probe"],
+    "on_h8": ["single6k", "concurrent", "equal_followups", "fault_probe"],
 }
 SCENARIO_IDS = {
     "single6k": "E2E-1", "single12k": "E2E-1", "short_topk": "K9 (prompts <= top-k)",
@@ -224,6 +242,7 @@ ENGINE_IDS = {
     "on_c2k_audit": "F1 (mirror audit)", "on_lazy": "E2E-6", "on_nopressure": "E2E-8",
     "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
     "on_share": "IndexShare", "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
+    "on_h16": "16 heads per rank", "on_h8": "8 heads per rank",
 }
 DEFAULT_ENGINES = ("off_c2k", "on_c2k", "on_c2k_audit", "on_lazy", "on_hostex", "rep_c2k",
                    "off_c8k", "on_c8k", "rep_c8k")
@@ -424,8 +443,11 @@ def llm_kwargs(spec: dict, model_dirs: dict) -> dict:
     if spec.get("tp", 1) > 1:
         kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec["hisparse"] is None:
-        # The prefill path HiSparse forces (K9), set explicitly in the off arm.
-        kw["attention_config"] = AttentionConfig(sparse_mla_force_mqa=True)
+        # The prefill path HiSparse forces (K9), set explicitly in the off arm,
+        # and below 32 heads per rank the FP8 path it serves (K8).
+        kw["attention_config"] = AttentionConfig(
+            sparse_mla_force_mqa=True,
+            sparse_mla_fp8_separate_prefill=spec.get("separate_prefill", False))
         kw["kv_cache_memory_bytes"] = OFF_KV_BYTES
         return kw
     kw["attention_config"] = AttentionConfig(
@@ -620,7 +642,8 @@ def p2(llm) -> dict:
 # ------------------------------------------------------------------ main
 
 
-MODEL_DIRS = {"glm": "tiny_glm5", "glm_share": "tiny_glm5_share", "dsv32": "tiny_dsv32"}
+MODEL_DIRS = {"glm": "tiny_glm5", "glm_share": "tiny_glm5_share", "dsv32": "tiny_dsv32",
+              "glm_h16": "tiny_glm5_h16", "glm_h8": "tiny_glm5_h8"}
 
 
 def make_models(stage: Path) -> dict[str, Path]:

@@ -141,15 +141,24 @@ def test_prefix_caching_is_required_at_config_time():
 @pytest.mark.parametrize("dtype,heads,message", [
     ("auto", 64, "fp8_ds_mla KV cache only"),
     ("bfloat16", 64, "fp8_ds_mla KV cache only"),
-    ("fp8", 16, "at least 32 attention heads per rank"),
+    ("fp8", 24, "can pad to"),
+    ("fp8", 96, "can pad to"),
+    ("fp8", 256, "can pad to"),
 ])
 def test_attention_path_refusals(dtype, heads, message):
-    """K8 (docs/worker.md): the bf16 cache and FlashMLA's FP8 mixed-batch
-    path (fewer than 32 heads per rank) are refused before the model loads."""
+    """K8 (docs/worker.md): the bf16 cache, and head counts FlashMLA
+    sparse's FP8 kernels cannot pad, are refused before the model loads."""
     with pytest.raises(HiSparseConfigError, match=message):
         cc.check_attention_path(dtype, heads)
-    cc.check_attention_path("fp8", 64)
-    cc.check_attention_path("fp8_ds_mla", 32)
+
+
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+def test_every_heads_per_rank_shape_of_glm5_and_dsv32_is_served(heads):
+    """Issue 17 item 2: GLM-5's 64 heads at TP 1-8 (64, 32, 16, 8) and
+    DeepSeek-V3.2's 128 at TP 1-16 pass, on Hopper (padding 64) and
+    Blackwell (128)."""
+    cc.check_attention_path("fp8", heads)
+    cc.check_attention_path("fp8_ds_mla", heads, prefill_padding=128)
 
 
 def test_micro_batching_is_refused():
@@ -159,7 +168,9 @@ def test_micro_batching_is_refused():
 
 
 def test_defaults_force_mqa_prefill_only_when_on():
-    """K9: HiSparse implies sparse-MLA prefill through MQA; off: unchanged."""
+    """K9: HiSparse implies sparse-MLA prefill through MQA, and (K8)
+    FlashMLA sparse's FP8 separate prefill/decode path at any head count;
+    off: unchanged."""
     on = VllmConfig(attention_config=AttentionConfig(
         hisparse_config=HiSparseConfig(host_pool_gib=1)))
     off = VllmConfig()
@@ -168,6 +179,8 @@ def test_defaults_force_mqa_prefill_only_when_on():
     cc.apply_hisparse_defaults(off)
     assert on.attention_config.sparse_mla_force_mqa is True
     assert off.attention_config.sparse_mla_force_mqa is False
+    assert on.attention_config.sparse_mla_fp8_separate_prefill is True
+    assert off.attention_config.sparse_mla_fp8_separate_prefill is False
 
 
 def test_device_buffer_below_q_times_k():

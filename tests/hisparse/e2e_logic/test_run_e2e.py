@@ -236,3 +236,35 @@ def test_serve_check_runs_both_servers_on_the_forced_mqa_path():
     assert on[on.index("--num-gpu-blocks-override") + 1] == str(e2e.PRESSURE_BLOCKS[2048])
     for cmd in (on, off):
         assert cmd[cmd.index("--max-model-len") + 1] == str(e2e.MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("model, heads", [("glm_h16", 16), ("glm_h8", 8)])
+def test_the_few_heads_engines_compare_on_the_path_hisparse_serves(tmp_path, model, heads):
+    """Issue 17 item 2: GLM-5's per-rank shapes at TP 4 and 8 as tiny models;
+    their off arms keep FlashMLA sparse's separate FP8 prefill/decode path
+    (HiSparse sets it too, apply_hisparse_defaults), the engines at 32+
+    heads keep the pin's default; HiSparse's startup check admits them and
+    the pressure pool is the GLM one (the KV layout does not depend on q
+    heads)."""
+    import json
+    import subprocess
+    import sys
+
+    from vllm.v1.hisparse import config_checks as cc
+
+    out = tmp_path / model
+    subprocess.run([sys.executable, str(e2e.HERE / "make_tiny_glm5.py"), str(out),
+                    "--max-pos", str(e2e.MAX_MODEL_LEN), *e2e.MODELS[model][0]],
+                   check=True, capture_output=True)
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["num_attention_heads"] == heads and hf["index_topk"] == e2e.INDEX_TOPK
+    tag = model.split("_")[1]
+    off, on, rep = SPECS[f"off_{tag}"], SPECS[f"on_{tag}"], SPECS[f"rep_{tag}"]
+    assert off["separate_prefill"] and rep["separate_prefill"]
+    assert not SPECS["off_c2k"]["separate_prefill"]
+    kw = e2e.llm_kwargs(off, {model: out})
+    assert kw["attention_config"].sparse_mla_fp8_separate_prefill is True
+    assert kw["attention_config"].sparse_mla_force_mqa is True
+    cc.check_attention_path("fp8", heads)
+    assert on["model"] == model and on["blocks"] == e2e.PRESSURE_BLOCKS[2048]
+    e2e.validate_engines([f"off_{tag}", f"on_{tag}", f"rep_{tag}"], SPECS)

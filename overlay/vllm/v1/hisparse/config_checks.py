@@ -210,27 +210,39 @@ def check_prefix_caching(enabled: bool | None) -> None:
 
 
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
-MIN_HEADS_PER_RANK = 32
+FP8_DECODE_HEADS = (64, 128)
+"""FlashMLA sparse's FP8 decode kernel: h_q 64 or 128; fewer heads are
+padded to 64 (FlashMLASparseImpl)."""
 
 
-def check_attention_path(cache_dtype: str, num_heads_per_rank: int) -> None:
+def check_attention_path(cache_dtype: str, num_heads_per_rank: int,
+                         prefill_padding: int = 64) -> None:
     """The worker path HiSparse drives: FlashMLA sparse's FP8 (fp8_ds_mla)
-    cache with separate prefill and decode kernels, which the pin selects
-    with at least 32 attention heads per rank. The bf16 cache and the FP8
-    mixed-batch path (fewer heads per rank) read prefill context straight
-    from one KV tensor by global row id, which host-backed context cannot
-    give them yet."""
+    cache with separate prefill (BF16 kernel over a gathered workspace,
+    which a host-backed context joins through staging) and decode kernels.
+    HiSparse keeps that path at every head count (apply_hisparse_defaults
+    sets ``sparse_mla_fp8_separate_prefill``; the pin would send fewer than
+    32 heads per rank through one mixed FP8 batch). What remains refused:
+    the bf16 cache (its kernels read context by global row id from one KV
+    tensor, which host-backed context cannot give them) and head counts the
+    kernels cannot pad to (``prefill_padding``: 64 on Hopper, 128 on
+    Blackwell)."""
     if cache_dtype not in FP8_KV_CACHE_DTYPES:
         raise HiSparseConfigError(
-            f"HiSparse serves the fp8_ds_mla KV cache only for now; "
-            f"cache_config.cache_dtype={cache_dtype}. Use --kv-cache-dtype fp8, or "
-            "remove attention_config.hisparse_config."
+            f"HiSparse serves the fp8_ds_mla KV cache only for now (the bf16 "
+            f"cache's kernels read context by global row id from one KV tensor, "
+            f"which a host-backed context cannot join); cache_config.cache_dtype="
+            f"{cache_dtype}. Use --kv-cache-dtype fp8, or remove "
+            "attention_config.hisparse_config."
         )
-    if num_heads_per_rank < MIN_HEADS_PER_RANK:
+    h = num_heads_per_rank
+    decode_ok = h > 0 and (64 % h == 0 if h <= 64 else h in FP8_DECODE_HEADS)
+    prefill_ok = h > 0 and (h % prefill_padding == 0 or prefill_padding % h == 0)
+    if not (decode_ok and prefill_ok):
         raise HiSparseConfigError(
-            f"HiSparse needs at least {MIN_HEADS_PER_RANK} attention heads per "
-            f"rank (FlashMLA sparse's separate prefill/decode path); this model "
-            f"has {num_heads_per_rank} per rank. Lower tensor_parallel_size, or "
+            f"HiSparse needs a number of attention heads per rank that FlashMLA "
+            f"sparse's FP8 kernels can pad to (a divisor of 64, or 128); this "
+            f"model has {h} per rank. Choose another tensor_parallel_size, or "
             "remove attention_config.hisparse_config."
         )
 
@@ -244,17 +256,30 @@ def check_micro_batching(enabled: bool) -> None:
         )
 
 
+def _prefill_padding() -> int:
+    """FlashMLA sparse's BF16 prefill head padding on this platform."""
+    from vllm.platforms import current_platform
+
+    return 128 if current_platform.is_device_capability_family(100) else 64
+
+
 def apply_hisparse_defaults(vllm_config: "VllmConfig") -> None:
     """Settings HiSparse implies; a no-op when HiSparse is off.
 
     Sparse-MLA prefill always takes the MQA path: the pin's dense-MHA prefill
     (chosen for prompts no longer than index_topk) gathers context through the
     layer's own block table, which under HiSparse is the source group's (host
-    block ids). Prompts longer than index_topk take this path anyway.
+    block ids). Prompts longer than index_topk take this path anyway. And
+    FlashMLA sparse keeps its separate prefill/decode kernels below 32 heads
+    per rank (check_attention_path).
     """
     if vllm_config.attention_config.hisparse_config is None:
         return
     vllm_config.attention_config.sparse_mla_force_mqa = True
+    # FlashMLA sparse's FP8 separate prefill/decode path at any head count
+    # (check_attention_path): the mixed batch has no prefill workspace for
+    # staged context.
+    vllm_config.attention_config.sparse_mla_fp8_separate_prefill = True
 
 
 def check_routed_experts(enabled: bool) -> None:
@@ -489,6 +514,7 @@ def verify_hisparse_config(vllm_config: "VllmConfig") -> None:
     check_attention_path(
         str(vllm_config.cache_config.cache_dtype),
         model_config.get_num_attention_heads(parallel_config),
+        _prefill_padding(),
     )
     check_hybrid_kv_cache_manager(
         bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)

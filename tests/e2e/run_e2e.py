@@ -426,6 +426,11 @@ def scoped_env(values: dict[str, str]):
 
 def engine_env(spec: dict, plan: list[str]) -> dict[str, str]:
     env = {}
+    if spec.get("separate_prefill"):
+        # Below 32 heads per rank: the FP8 path HiSparse serves (K31).
+        from vllm.v1.hisparse.config_checks import FP8_SEPARATE_PREFILL_ENV
+
+        env[FP8_SEPARATE_PREFILL_ENV] = "1"
     if spec["hisparse"] is not None and spec.get("audit"):
         env[DEBUG_ENV] = "1"
     if spec["hisparse"] is not None and "fault_probe" in plan:
@@ -443,11 +448,8 @@ def llm_kwargs(spec: dict, model_dirs: dict) -> dict:
     if spec.get("tp", 1) > 1:
         kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec["hisparse"] is None:
-        # The prefill path HiSparse forces (K9), set explicitly in the off arm,
-        # and below 32 heads per rank the FP8 path it serves (K8).
-        kw["attention_config"] = AttentionConfig(
-            sparse_mla_force_mqa=True,
-            sparse_mla_fp8_separate_prefill=spec.get("separate_prefill", False))
+        # The prefill path HiSparse forces (K9), set explicitly in the off arm.
+        kw["attention_config"] = AttentionConfig(sparse_mla_force_mqa=True)
         kw["kv_cache_memory_bytes"] = OFF_KV_BYTES
         return kw
     kw["attention_config"] = AttentionConfig(

@@ -161,6 +161,22 @@ def test_every_heads_per_rank_shape_of_glm5_and_dsv32_is_served(heads):
     cc.check_attention_path("fp8_ds_mla", heads, prefill_padding=128)
 
 
+def test_the_separate_fp8_path_with_hisparse_or_when_asked(monkeypatch):
+    """K31: FlashMLA sparse keeps its separate FP8 prefill/decode path
+    below 32 heads per rank whenever HiSparse is on, and in a HiSparse-off
+    engine only when the comparison asks for it at startup."""
+    on = VllmConfig(attention_config=AttentionConfig(
+        hisparse_config=HiSparseConfig(host_pool_gib=1)))
+    off = VllmConfig()
+    monkeypatch.delenv(cc.FP8_SEPARATE_PREFILL_ENV, raising=False)
+    assert cc.fp8_separate_prefill(on) is True
+    assert cc.fp8_separate_prefill(off) is False
+    monkeypatch.setenv(cc.FP8_SEPARATE_PREFILL_ENV, "1")
+    assert cc.fp8_separate_prefill(off) is True
+    monkeypatch.setenv(cc.FP8_SEPARATE_PREFILL_ENV, "0")
+    assert cc.fp8_separate_prefill(off) is False
+
+
 def test_micro_batching_is_refused():
     with pytest.raises(HiSparseConfigError, match="micro-batching"):
         cc.check_micro_batching(True)
@@ -168,9 +184,7 @@ def test_micro_batching_is_refused():
 
 
 def test_defaults_force_mqa_prefill_only_when_on():
-    """K9: HiSparse implies sparse-MLA prefill through MQA, and (K8)
-    FlashMLA sparse's FP8 separate prefill/decode path at any head count;
-    off: unchanged."""
+    """K9: HiSparse implies sparse-MLA prefill through MQA; off: unchanged."""
     on = VllmConfig(attention_config=AttentionConfig(
         hisparse_config=HiSparseConfig(host_pool_gib=1)))
     off = VllmConfig()
@@ -179,8 +193,6 @@ def test_defaults_force_mqa_prefill_only_when_on():
     cc.apply_hisparse_defaults(off)
     assert on.attention_config.sparse_mla_force_mqa is True
     assert off.attention_config.sparse_mla_force_mqa is False
-    assert on.attention_config.sparse_mla_fp8_separate_prefill is True
-    assert off.attention_config.sparse_mla_fp8_separate_prefill is False
 
 
 def test_device_buffer_below_q_times_k():

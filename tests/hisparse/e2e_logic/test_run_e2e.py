@@ -242,7 +242,7 @@ def test_serve_check_runs_both_servers_on_the_forced_mqa_path():
 def test_the_few_heads_engines_compare_on_the_path_hisparse_serves(tmp_path, model, heads):
     """Issue 17 item 2: GLM-5's per-rank shapes at TP 4 and 8 as tiny models;
     their off arms keep FlashMLA sparse's separate FP8 prefill/decode path
-    (HiSparse sets it too, apply_hisparse_defaults), the engines at 32+
+    (HiSparse keeps it whenever it is on), the engines at 32+
     heads keep the pin's default; HiSparse's startup check admits them and
     the pressure pool is the GLM one (the KV layout does not depend on q
     heads)."""
@@ -263,8 +263,9 @@ def test_the_few_heads_engines_compare_on_the_path_hisparse_serves(tmp_path, mod
     assert off["separate_prefill"] and rep["separate_prefill"]
     assert not SPECS["off_c2k"]["separate_prefill"]
     kw = e2e.llm_kwargs(off, {model: out})
-    assert kw["attention_config"].sparse_mla_fp8_separate_prefill is True
     assert kw["attention_config"].sparse_mla_force_mqa is True
+    assert e2e.engine_env(off, [])[cc.FP8_SEPARATE_PREFILL_ENV] == "1"
+    assert cc.FP8_SEPARATE_PREFILL_ENV not in e2e.engine_env(SPECS["off_c2k"], [])
     cc.check_attention_path("fp8", heads)
     assert on["model"] == model and on["blocks"] == e2e.PRESSURE_BLOCKS[2048]
     e2e.validate_engines([f"off_{tag}", f"on_{tag}", f"rep_{tag}"], SPECS)

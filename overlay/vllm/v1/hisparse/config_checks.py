@@ -21,6 +21,7 @@ spec 6.3 #1, #2, #11) and the KV-layout order check (#9, the worker's view
 builder) belong to the worker-side binding and are not implemented here.
 """
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -220,9 +221,9 @@ def check_attention_path(cache_dtype: str, num_heads_per_rank: int,
     """The worker path HiSparse drives: FlashMLA sparse's FP8 (fp8_ds_mla)
     cache with separate prefill (BF16 kernel over a gathered workspace,
     which a host-backed context joins through staging) and decode kernels.
-    HiSparse keeps that path at every head count (apply_hisparse_defaults
-    sets ``sparse_mla_fp8_separate_prefill``; the pin would send fewer than
-    32 heads per rank through one mixed FP8 batch). What remains refused:
+    HiSparse keeps that path at every head count (fp8_separate_prefill;
+    the pin would send fewer than 32 heads per rank through one mixed FP8
+    batch). What remains refused:
     the bf16 cache (its kernels read context by global row id from one KV
     tensor, which host-backed context cannot give them) and head counts the
     kernels cannot pad to (``prefill_padding``: 64 on Hopper, 128 on
@@ -256,6 +257,24 @@ def check_micro_batching(enabled: bool) -> None:
         )
 
 
+FP8_SEPARATE_PREFILL_ENV = "VLLM_HISPARSE_FP8_SEPARATE_PREFILL"
+"""Set to 1 at startup, a HiSparse-off engine also keeps the separate FP8
+path below 32 heads per rank: the e2e gate's off arms of such models, so
+that both arms run the same kernels."""
+
+
+def fp8_separate_prefill(vllm_config: "VllmConfig") -> bool:
+    """Whether FlashMLA sparse keeps its FP8 separate prefill/decode path
+    below 32 heads per rank (patch attention-flashmla-sparse-fp8-separate-
+    prefill; the pin sends every token of such a batch through the FP8
+    decode kernel, which has no prefill workspace for staged context):
+    always with HiSparse (check_attention_path, docs/worker.md K31), and
+    for a HiSparse-off engine with FP8_SEPARATE_PREFILL_ENV=1."""
+    if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
+        return True
+    return os.environ.get(FP8_SEPARATE_PREFILL_ENV) == "1"
+
+
 def _prefill_padding() -> int:
     """FlashMLA sparse's BF16 prefill head padding on this platform."""
     from vllm.platforms import current_platform
@@ -269,17 +288,13 @@ def apply_hisparse_defaults(vllm_config: "VllmConfig") -> None:
     Sparse-MLA prefill always takes the MQA path: the pin's dense-MHA prefill
     (chosen for prompts no longer than index_topk) gathers context through the
     layer's own block table, which under HiSparse is the source group's (host
-    block ids). Prompts longer than index_topk take this path anyway. And
-    FlashMLA sparse keeps its separate prefill/decode kernels below 32 heads
-    per rank (check_attention_path).
+    block ids). Prompts longer than index_topk take this path anyway.
+    FlashMLA sparse's separate FP8 prefill/decode kernels below 32 heads per
+    rank follow from HiSparse being on (fp8_separate_prefill).
     """
     if vllm_config.attention_config.hisparse_config is None:
         return
     vllm_config.attention_config.sparse_mla_force_mqa = True
-    # FlashMLA sparse's FP8 separate prefill/decode path at any head count
-    # (check_attention_path): the mixed batch has no prefill workspace for
-    # staged context.
-    vllm_config.attention_config.sparse_mla_fp8_separate_prefill = True
 
 
 def check_routed_experts(enabled: bool) -> None:

@@ -515,3 +515,30 @@ def test_k5b_mirror_descriptors_match_reference(gpu_kernels, first, n):
         gpu_kernels.mirror_descriptors(**got, first=first, n=n)
         for name in ("src", "dst", "nbytes"):
             assert_same_tensor(name, got[name].cpu(), want[name])
+
+
+def test_k5b_capture_after_the_first_call_only(gpu_kernels):
+    """K5b under CUDA graph capture: the first call for a set of buffers
+    (it uploads their address table) refuses capture with a clear error;
+    after one eager call the launch is capturable and its replay equals
+    the reference."""
+    from hisparse_kernel_cases import mirror_case, mirror_case_to
+
+    want = mirror_case(seed=21)
+    got = mirror_case_to(want, CUDA)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            gpu_kernels.mirror_descriptors(**got, first=3, n=50)
+    torch.cuda.synchronize()
+    gpu_kernels.mirror_descriptors(**got, first=0, n=1)  # the eager first call
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gpu_kernels.mirror_descriptors(**got, first=3, n=50)
+    graph.replay()
+    torch.cuda.synchronize()
+    reference.ref_mirror_descriptors(**want, first=0, n=1)
+    reference.ref_mirror_descriptors(**want, first=3, n=50)
+    for name in ("src", "dst", "nbytes"):
+        assert_same_tensor(name, got[name].cpu(), want[name])

@@ -515,6 +515,11 @@ def mirror_descriptors(resident_slots: list[torch.Tensor],
     key = (device.index or 0,) + tuple(t.data_ptr() for t in resident_slots)
     ptrs = _SLOT_PTRS.get(key)
     if ptrs is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "HiSparse: mirror_descriptors' first call for these slot-mapping "
+                "buffers cannot run under CUDA graph capture (it copies their "
+                "address table); the worker builds descriptors outside graphs")
         # Deliberate: one small blocking copy per set of buffers (the
         # runner allocates them once), never on a later step.
         ptrs = torch.tensor(key[1:], dtype=torch.int64, device=device)

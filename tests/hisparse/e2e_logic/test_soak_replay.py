@@ -28,6 +28,7 @@ from tests.hisparse.scheduler.harness import (  # noqa: I001
     make_request,
     make_scheduler,
     model_output,
+    sampled_token,
 )
 
 
@@ -284,7 +285,7 @@ def test_dry_follow_samples_each_requests_recorded_output(tmp_path):
     engine = Engine(s, recorded)
     params = run_e2e.sampling(5)
     engine.add_request(sl.server_key("u0-1"), {"prompt_token_ids": list(range(2, 150))}, params)
-    other = engine.add_request("unrecorded", {"prompt_token_ids": list(range(300, 400))}, params)
+    engine.add_request("unrecorded", {"prompt_token_ids": list(range(300, 400))}, params)
     done = {}
     for _ in range(50):
         for o in engine.step():
@@ -293,5 +294,6 @@ def test_dry_follow_samples_each_requests_recorded_output(tmp_path):
             break
     got = done[sl.server_key("u0-1")]
     assert got[:3] == [101, 102, 103] and len(got) == 5
-    assert got[3:] != [101, 102]  # the stand-in past the record
-    assert len(done[other and "unrecorded"]) == 5  # no record: the stand-in alone
+    # past the record, and with no record: the stand-in model's tokens
+    assert got[3:] == [sampled_token(148 + i) for i in (3, 4)]
+    assert done["unrecorded"] == [sampled_token(100 + i) for i in range(5)]

@@ -211,9 +211,6 @@ def check_prefix_caching(enabled: bool | None) -> None:
 
 
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
-FP8_DECODE_HEADS = (64, 128)
-"""FlashMLA sparse's FP8 decode kernel: h_q 64 or 128; fewer heads are
-padded to 64 (FlashMLASparseImpl)."""
 
 
 def check_attention_path(cache_dtype: str, num_heads_per_rank: int,
@@ -236,15 +233,21 @@ def check_attention_path(cache_dtype: str, num_heads_per_rank: int,
             f"{cache_dtype}. Use --kv-cache-dtype fp8, or remove "
             "attention_config.hisparse_config."
         )
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
     h = num_heads_per_rank
-    decode_ok = h > 0 and (64 % h == 0 if h <= 64 else h in FP8_DECODE_HEADS)
-    prefill_ok = h > 0 and (h % prefill_padding == 0 or prefill_padding % h == 0)
-    if not (decode_ok and prefill_ok):
+    # The pin's own padding rules: the FP8 decode kernel pads q up to
+    # _compute_fp8_decode_padded_heads (64 or 128), the BF16 prefill kernel
+    # to a multiple or divisor of its padding (its assert in
+    # _bf16_flash_mla_kernel).
+    decode_ok = 0 < h <= FlashMLASparseImpl._compute_fp8_decode_padded_heads(h)
+    prefill_ok = decode_ok and (h % prefill_padding == 0 or prefill_padding % h == 0)
+    if not prefill_ok:
         raise HiSparseConfigError(
             f"HiSparse needs a number of attention heads per rank that FlashMLA "
-            f"sparse's FP8 kernels can pad to (a divisor of 64, or 128); this "
-            f"model has {h} per rank. Choose another tensor_parallel_size, or "
-            "remove attention_config.hisparse_config."
+            f"sparse's FP8 kernels can pad to (a divisor or multiple of "
+            f"{prefill_padding}, at most 128); this model has {h} per rank. Choose "
+            "another tensor_parallel_size, or remove attention_config.hisparse_config."
         )
 
 
@@ -276,7 +279,8 @@ def fp8_separate_prefill(vllm_config: "VllmConfig") -> bool:
 
 
 def _prefill_padding() -> int:
-    """FlashMLA sparse's BF16 prefill head padding on this platform."""
+    """FlashMLA sparse's BF16 prefill head padding on this platform (the
+    pin sets it per impl instance, FlashMLASparseImpl.__init__)."""
     from vllm.platforms import current_platform
 
     return 128 if current_platform.is_device_capability_family(100) else 64

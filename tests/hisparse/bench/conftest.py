@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The benchmark commands' logic (scripts/benchlib, scripts/bench-tax,
-scripts/bench-agentic) on the CPU: benchlib imports only the standard
-library; what needs vLLM (its CLI parser, EngineArgs, the layout) is
-imported by the tests that check against it."""
+scripts/bench-agentic, scripts/bench-kernels) on the CPU: benchlib imports
+only the standard library; what needs vLLM (its CLI parser, EngineArgs, the
+layout) is imported by the tests that check against it."""
 
 import importlib.machinery
 import importlib.util
@@ -37,3 +37,8 @@ def bench_tax():
 @pytest.fixture
 def bench_agentic():
     return load_command("bench-agentic")
+
+
+@pytest.fixture(scope="module")
+def bench_kernels():
+    return load_command("bench-kernels")

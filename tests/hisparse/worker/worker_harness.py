@@ -90,18 +90,25 @@ def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
                 device_buffer_size: int | None = None,
                 registration_chunk_bytes: int | None = None,
                 staging_blocks: int = 0,
-                shared: bool = False) -> HiSparseKVCacheConfig:
+                shared: bool = False, num_mtp: int = 0, q: int = 1,
+                pattern: str | None = None) -> HiSparseKVCacheConfig:
     """A per-worker HiSparse config of a tiny GLM-5-architecture model (real
     MLA/indexer dims, fp8_ds_mla rows) from the real layout builder;
-    ``shared``: the TP-shared host pool's plan (spec 4.12)."""
+    ``shared``: the TP-shared host pool's plan (spec 4.12); ``num_mtp``
+    drafter (MTP) layers after the target layers, q = 1 + k speculative
+    tokens, ``pattern`` an ``index_topk_pattern``."""
     hf = {"num_hidden_layers": num_layers, "kv_lora_rank": 512,
           "qk_rope_head_dim": 64, "index_head_dim": 128,
           "index_topk": index_topk, "index_topk_freq": freq}
-    specs = kv_cache_specs_from_hf_config(hf, block_size=B)
+    if pattern is not None:
+        hf["index_topk_pattern"] = pattern
+    specs = kv_cache_specs_from_hf_config(hf, block_size=B,
+                                          num_mtp_layers=num_mtp)
     params = HiSparseParams(
-        index_topk=index_topk, max_decode_query_len=1,
-        device_buffer_size=device_buffer_size or 2 * index_topk,
-        admission_max_tokens=256, host_pool_bytes=0, shared_host_pool=shared)
+        index_topk=index_topk, max_decode_query_len=q,
+        device_buffer_size=device_buffer_size or (q + 1) * index_topk,
+        admission_max_tokens=256, host_pool_bytes=0, shared_host_pool=shared,
+        num_target_layers=num_layers)
     layout = build_hisparse_layout(specs, params)
     params = dataclasses.replace(
         params, host_pool_bytes=num_host_blocks * layout.host_block_stride(shared))

@@ -177,6 +177,7 @@ def build_layer_views(
         )
     offsets = tensor_offsets(config)
     pair_of = {name: i for i, pair in enumerate(layout.pairs) for name in pair}
+    drafts = set(layout.draft_layers)
     views: dict[str, dict[str, Any]] = {}
     for name in layout.sparse_layers:
         off = layout.sparse_layer_offset(name)
@@ -207,6 +208,7 @@ def build_layer_views(
             attention=attention_view(slab, layout, n, off),
             host=host_pool.layer_rows(name, layout.row_bytes),
             host_ptr=host_pool.layer_ptr(name),
+            is_draft=name in drafts,
         )
     return views
 
@@ -279,8 +281,8 @@ def bind_runtime(
     )
     from vllm.v1.hisparse import kernels
     from vllm.v1.hisparse.config_checks import resolve_host_pool_gib
+    from vllm.v1.hisparse.drafter import attach_drafter
     from vllm.v1.hisparse.host_pool import acquire_host_pool
-    from vllm.v1.hisparse.index_groups import HiSparseLayerBinding
     from vllm.v1.hisparse.staging import StagingCache
     from vllm.v1.hisparse.worker import HiSparseWorker
 
@@ -324,12 +326,14 @@ def bind_runtime(
     )
     context = runner.vllm_config.compilation_config.static_forward_context
     for name in layout.sparse_layers:
-        context[name].impl.hisparse = HiSparseLayerBinding(
-            runtime, worker, staging, name
-        )
+        context[name].impl.hisparse = layer_binding(runtime, worker, staging, name)
     if not has_kv_transfer_group():
         raise RuntimeError("HiSparse: no KV connector is installed in this worker")
     hisparse_connector(get_kv_transfer_group()).attach_worker(worker)
+    # An MTP drafter writes its KV through its own slot buffers (one int64
+    # [max_num_batched_tokens] per write group, not yet in the reserve's
+    # worker state: docs/mtp.md 3.4, 3.11).
+    attach_drafter(runner, runtime, scheduler_config.max_num_batched_tokens)
     # What this worker holds beside the slab, against the engine's reserve
     # (docs/layout.md L17); the engine logged the breakdown.
     held = held_tensor_bytes([runtime, worker, staging], slab.device.type, [slab])
@@ -348,6 +352,18 @@ def bind_runtime(
         held / MiB,
     )
     return runtime
+
+
+def layer_binding(
+    runtime: HiSparseRuntime, worker: Any, staging: Any, name: str
+) -> Any:
+    """What a sparse layer's impl runs through HiSparse with; a draft (MTP)
+    layer's binding resolves each draft pass with the pass's rows."""
+    from vllm.v1.hisparse.index_groups import DraftLayerBinding, HiSparseLayerBinding
+
+    draft = runtime.layers[name].is_draft
+    cls = DraftLayerBinding if draft else HiSparseLayerBinding
+    return cls(runtime, worker, staging, name)
 
 
 def check_attention_impls(runner: "GPUModelRunner", layout: HiSparseLayout) -> None:
@@ -438,6 +454,7 @@ __all__ = [
     "RunnerBatchState",
     "apply_residency_updates",
     "bind_runtime",
+    "layer_binding",
     "make_runtime",
     "retarget_slot_mappings",
     "step_metadata",

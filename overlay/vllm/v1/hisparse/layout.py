@@ -114,6 +114,9 @@ class HiSparseParams:
     num_gpu_blocks_override: int | None = None
     registration_chunk_bytes: int = REGISTRATION_CHUNK_BYTES
     architecture: str = "this model"
+    num_target_layers: int | None = None
+    """hf ``num_hidden_layers``: sparse layers ``layers.<i>`` with i >= it are
+    the drafter's (MTP); None: every layer is a target layer."""
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "HiSparseParams":
@@ -143,6 +146,9 @@ class HiSparseParams:
             shared_host_pool=shared_host_pool(vllm_config),
             num_gpu_blocks_override=vllm_config.cache_config.num_gpu_blocks_override,
             architecture=architecture,
+            num_target_layers=getattr(
+                vllm_config.model_config.hf_text_config, "num_hidden_layers", None
+            ),
         )
 
 
@@ -170,6 +176,11 @@ class LayerRoles:
 _LAYER_INDEX_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
+def _layer_index(name: str) -> int | None:
+    match = _LAYER_INDEX_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
 def _model_order(names: Sequence[str]) -> list[str]:
     """Sort layer names by decoder-layer index, stably.
 
@@ -181,8 +192,8 @@ def _model_order(names: Sequence[str]) -> list[str]:
 
     def key(item: tuple[int, str]) -> tuple[int, int]:
         pos, name = item
-        match = _LAYER_INDEX_RE.search(name)
-        return (int(match.group(1)) if match else 1 << 62, pos)
+        index = _layer_index(name)
+        return (1 << 62 if index is None else index, pos)
 
     return [name for _, name in sorted(enumerate(names), key=key)]
 
@@ -280,6 +291,33 @@ def hot_units(sparse: Sequence[SparseLayer]) -> list[list[str]]:
             units.append([])
         units[-1].append(layer.name)
     return units
+
+
+def find_draft_layers(
+    sparse: Sequence[SparseLayer], num_target_layers: int | None
+) -> tuple[str, ...]:
+    """The drafter's sparse layers (MTP): ``layers.<i>`` with i >=
+    ``num_target_layers`` (0.26.0's DeepSeekMTP builds ``model.layers.<N+j>``).
+
+    Each must lead its own index group (0.26.0 always builds an indexer for
+    an MTP layer), so its hot unit holds no target layer (INV-11) and its
+    index-group state is its own.
+    """
+    if num_target_layers is None:
+        return ()
+    drafts = []
+    for layer in sparse:
+        index = _layer_index(layer.name)
+        if index is None or index < num_target_layers:
+            continue
+        if not layer.is_leader:
+            raise HiSparseConfigError(
+                f"HiSparse: draft layer {layer.name} (index >= num_hidden_layers="
+                f"{num_target_layers}) shares another layer's top-k; a draft "
+                "layer must lead its own index group."
+            )
+        drafts.append(layer.name)
+    return tuple(drafts)
 
 
 def pack_units(unit_bytes: Sequence[int], capacity: int) -> list[list[int]]:
@@ -390,6 +428,10 @@ class HiSparseLayout:
     addressing: AddressingMode
     attention_block_stride: int
     """Sa: rows per block of the attention-facing view (3.2)."""
+    draft_layers: tuple[str, ...] = ()
+    """The drafter's (MTP) sparse layers, the last of ``sparse_layers``.
+    Packed like any unit (they may share a pair with target layers); the
+    worker mirrors them after the drafter (docs/mtp.md 3.2, 3.5)."""
 
     SOURCE_GROUP_ID = 0
     INDEXER_GROUP_ID = 1
@@ -727,4 +769,5 @@ def build_hisparse_layout(
         layer_offsets=layer_offsets,
         addressing=addressing,
         attention_block_stride=attention_block_stride,
+        draft_layers=find_draft_layers(roles.sparse, params.num_target_layers),
     )

@@ -125,6 +125,9 @@ class LayerViews:
     """uint8 [N_host * B, W]: host row g at row g (pinned, device-mapped)."""
     host_ptr: int
     group: "IndexGroup"
+    is_draft: bool = False
+    """A drafter (MTP) layer: its rows come from each draft pass's metadata
+    and it is mirrored after the drafter (docs/mtp.md 3.3, 3.5)."""
 
 
 @dataclass
@@ -368,6 +371,10 @@ class HiSparseRuntime:
         released. K4 runs while the set is not empty (P2: a prefix hit
         gets a region, and at no pressure all its pages are adopted, so
         no K4 launch per index group per step)."""
+        self.decode_split: tuple[int, int] | None = None
+        """The target forward's (num_decodes, num_decode_tokens) this step."""
+        self.draft_passes = 0
+        """Draft-layer attention calls this step (one per draft pass)."""
         self.staging_blocks_peak = 0
         """Most in-slab staging blocks one step's extends used since the
         metrics sampler last read it (C12)."""
@@ -422,10 +429,13 @@ class HiSparseRuntime:
 
     # -------------------------------------------------- per-step inputs
 
-    def prepare_forward(self) -> None:
+    def prepare_forward(self, decode_split: tuple[int, int] | None = None) -> None:
         """Write this step's kernel inputs, outside any graph (INV-32, F13):
         ``row_req`` (the batch row of each real token, -1 for CUDA-graph
-        padding) and ``req_state``, built on the host and sent in one copy."""
+        padding) and ``req_state``, built on the host and sent in one copy.
+        ``decode_split``: the forward's (num_decodes, num_decode_tokens),
+        which the drafter's pass 0 must repeat (``begin_draft_pass``)."""
+        self.decode_split, self.draft_passes = decode_split, 0
         num_reqs = self.num_reqs = self.tables.num_reqs()
         num_tokens = self.num_tokens = self.tables.num_tokens()
         row_req, req_state = self.step_inputs.host_views()
@@ -555,10 +565,28 @@ class HiSparseRuntime:
         rows = block * g.attention_block_stride + pos % b
         return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
 
+    def begin_draft_pass(self, num_decodes: int, num_decode_tokens: int) -> None:
+        """A draft layer's attention call (one per draft pass; host ints, no
+        sync). Pass 0 of the padded drafter batch runs the target's tokens
+        and must split them as the target did: the step's staging and extend
+        plans and mirror descriptors are for that split (docs/mtp.md 3.3)."""
+        if not self.step_active:
+            return  # a dummy or captured run: no step to match
+        split = (int(num_decodes), int(num_decode_tokens))
+        if self.draft_passes == 0 and self.decode_split not in (None, split):
+            raise RuntimeError(
+                "HiSparse: the drafter's first pass splits the batch into "
+                f"(num_decodes, num_decode_tokens) = {split}, the target forward "
+                f"into {self.decode_split}; the step's staging and mirror plans "
+                "need the target's split (docs/mtp.md 3.3)"
+            )
+        self.draft_passes += 1
+
     def end_forward(self) -> None:
         """Back to padding, so that a dummy or captured run touches no state."""
         self.step_inputs.reset()
         self.step_active = False
+        self.decode_split, self.draft_passes = None, 0
         self.workspace.owner = None
         self.staged = {}
         self.extend_plan = None
@@ -572,6 +600,7 @@ class HiSparseRuntime:
         topk: torch.Tensor,
         seq_lens: torch.Tensor,
         source_table: torch.Tensor,
+        row_req: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention rows of the decode tokens of one layer (spec 2.10).
 
@@ -579,6 +608,12 @@ class HiSparseRuntime:
         the host pool, then gathers its misses; a follower replays its
         leader's plan with its own views. Fixed shapes, no host sync: safe
         inside a CUDA graph (INV-32).
+
+        ``row_req`` (int32, the batch row of each token; K1 resolves each run
+        of equal rows as one union group, INV-36): None for a target layer,
+        the persistent ``self.row_req`` a FULL graph captures; a draft layer
+        passes its pass's ``req_id_per_token`` (pass 0: the target's token
+        rows; passes >= 1: one row per request; docs/mtp.md 3.3).
 
         Returns:
             out_rows int32 [nd, K] (attention row ids, -1 = masked) and
@@ -597,9 +632,10 @@ class HiSparseRuntime:
             )
         if layer_name == group.leader:
             rq = seq_lens.shape[0]
+            rows = self.row_req if row_req is None else row_req
             self.ops.resolve_residency(
                 topk[:nd],
-                self.row_req[:nd],
+                rows[:nd],
                 seq_lens,
                 self.req_state[:rq],
                 source_table[:rq],

@@ -20,6 +20,11 @@ host pool:
   pipelining long-prefill mirrors with the remaining layers;
   ``finish_forward`` submits whatever is left, once, and rejects a partial
   group.
+- **draft layers** (the MTP layer, 4.10, F2): excluded from the target
+  mirror and never submitted per layer; their rows (the target tokens'
+  rows, rewritten by the drafter's pass 0) are copied in ``finish_forward``
+  (``wait_for_save``, after the last draft pass), only if a draft pass ran,
+  and before the spills (INV-26).
 - **spills** (4.3): with the eager mirror (default) a spill is a completion
   barrier recorded on the DMA stream after this step's mirrors (INV-26);
   with ``eager_host_mirror=false`` decode rows are not mirrored and a spill
@@ -211,8 +216,10 @@ def written_slots(
 class MirrorPlan:
     """Row-mirror descriptors built on the device from the slot mappings.
 
-    Layers are ordered by resident group, so a group's descriptors are one
-    contiguous slice ``[first_layer * n, (last_layer + 1) * n)``.
+    Layers are ordered by (draft, resident group), so a range (the target or
+    the draft layers of one resident group) is one contiguous slice
+    ``[first_layer * n, (last_layer + 1) * n)`` and the draft ranges follow
+    every target range.
     """
 
     def __init__(
@@ -228,15 +235,18 @@ class MirrorPlan:
         self.layer_order = tuple(layer_order)
         views = [runtime.layers[name] for name in self.layer_order]
         self.pair_ranges: list[tuple[int, int]] = []
+        keys: list[tuple[int, bool]] = []
         for lv_index, lv in enumerate(views):
-            if not self.pair_ranges or lv.pair != views[self.pair_ranges[-1][0]].pair:
+            if not keys or (lv.pair, lv.is_draft) != keys[-1]:
                 self.pair_ranges.append((lv_index, lv_index + 1))
+                keys.append((lv.pair, lv.is_draft))
             else:
                 self.pair_ranges[-1] = (self.pair_ranges[-1][0], lv_index + 1)
-        self.pair_of_range = [views[lo].pair for lo, _ in self.pair_ranges]
-        if len(set(self.pair_of_range)) != len(self.pair_of_range):
+        self.pair_of_range = [pair for pair, _ in keys]
+        self.range_is_draft = [draft for _, draft in keys]
+        if len(set(keys)) != len(keys):
             raise ValueError(
-                "HiSparse: mirror layers must be grouped by resident group"
+                "HiSparse: mirror layers must be grouped by (draft, resident group)"
             )
         self.num_layers = len(views)
         self._pair_of_layer = torch.tensor(
@@ -307,6 +317,8 @@ class _StepState:
     pending_spills: np.ndarray  # indices into meta's transfer arrays
     mirrored_ranges: set[int] = field(default_factory=set)
     marked_layers: set[str] = field(default_factory=set)
+    draft_written: bool = False
+    """A draft pass wrote the draft layers' rows this step (F2, INV-25)."""
     submitted: bool = False
     forward_ready: Any = None
 
@@ -339,10 +351,8 @@ class HiSparseWorker:
         self.writer = self.sharing is None or self.sharing.writer
         """Whether this rank writes host memory (INV-28: rank 0 when shared)."""
         self.host_write = _host_write_events(self.streams, self.sharing)
-        order = sorted(
-            runtime.layers,
-            key=lambda n: (runtime.layers[n].pair, runtime.layers[n].offset),
-        )
+        lvs = runtime.layers
+        order = sorted(lvs, key=lambda n: (lvs[n].is_draft, lvs[n].pair, lvs[n].offset))
         self.mirror = MirrorPlan(
             runtime, slab.data_ptr(), order, device, None if self.writer else 0
         )
@@ -354,6 +364,10 @@ class HiSparseWorker:
         self._range_layers = [
             set(self.mirror.layer_order[lo:hi]) for lo, hi in self.mirror.pair_ranges
         ]
+        is_draft = self.mirror.range_is_draft
+        self._target_ranges = [i for i, d in enumerate(is_draft) if not d]
+        self._draft_ranges = [i for i, d in enumerate(is_draft) if d]
+        self._draft_layers = frozenset(n for n, lv in lvs.items() if lv.is_draft)
         self._in_flight: list[_InFlight] = []
         self._ready_event = self.streams.event("forward_ready")
         self._spare_events: list[Any] = []
@@ -366,7 +380,7 @@ class HiSparseWorker:
         """GPU blocks of this step that were unpinned pages (F16), for a
         connector that loads into GPU blocks off the compute stream."""
         self._debug = debug_enabled()
-        self._audit: tuple[np.ndarray, np.ndarray] | None = None
+        self._audit: tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None = None
         self.audit_rows_checked = 0
         self.audit_mismatches = 0
         self.fault_injector = debug_faults.from_env()
@@ -427,7 +441,9 @@ class HiSparseWorker:
             self.host_write.record(streams.compute())
             self._step = None
             return
-        rt.prepare_forward()
+        rt.prepare_forward(
+            (int(attn_metadata.num_decodes), int(attn_metadata.num_decode_tokens))
+        )
         if attn_metadata.num_prefills:
             rt.plan_staging(int(attn_metadata.num_decodes))
         if decode_query_len(attn_metadata) > rt.geometry.max_decode_query_len:
@@ -440,8 +456,13 @@ class HiSparseWorker:
     # ------------------------------------------------------------ W2
 
     def on_kv_written(self, layer_name: str) -> None:
-        """A layer wrote this step's KV (per-layer submission, 4.10)."""
+        """A layer wrote this step's KV (per-layer submission, 4.10). A draft
+        layer writes once per draft pass and is only noted: its rows are
+        copied after the last pass (F2)."""
         step = self._step
+        if step is not None and layer_name in self._draft_layers:
+            step.draft_written = True
+            return
         if step is None or not step.per_layer or layer_name not in self._layer_range:
             return
         if layer_name in step.marked_layers:
@@ -471,10 +492,13 @@ class HiSparseWorker:
                     "HiSparse: per-layer mirror submissions covered part of resident "
                     f"group(s) {partial}; a group's layers are submitted together"
                 )
-        self._submit_mirror_ranges(
-            step,
-            [i for i in range(len(self.mirror.pair_ranges)) if i not in step.mirrored_ranges],
-        )
+        # Target ranges, then draft ranges (indices after every target one),
+        # then the spills: one DMA-stream order gives INV-26. A drafter that
+        # did not run wrote no draft row, so none is copied (INV-25).
+        pending = [i for i in self._target_ranges if i not in step.mirrored_ranges]
+        if step.draft_written:
+            pending += self._draft_ranges
+        self._submit_mirror_ranges(step, pending)
         self._submit_spills(step)
         if step.submitted:
             self.host_write.record(self.streams.dma)
@@ -482,7 +506,7 @@ class HiSparseWorker:
             self.host_write.record(self.streams.compute())
         rt.invalidate_written(rt.num_tokens)
         if self._debug and self.writer:
-            self._remember_for_audit()
+            self._remember_for_audit(step.draft_written)
         rt.end_forward()
 
     # ----------------------------------------------------------- submit
@@ -638,14 +662,19 @@ class HiSparseWorker:
 
     # -------------------------------------------------------- debug audit
 
-    def _remember_for_audit(self) -> None:
+    def _remember_for_audit(self, draft_written: bool) -> None:
         first, n = self.mirror.first_token, self.mirror.num_rows
         if n == 0:
             self._audit = None
             return
         resident, host = written_slots(self.runtime, first, first + n)
+        # Draft layers only when a draft pass wrote (and so mirrored) them.
+        layers = tuple(
+            name for name in self.runtime.layers
+            if draft_written or name not in self._draft_layers
+        )
         # Copies: the slot-mapping buffers are rewritten by the next step.
-        self._audit = (resident.cpu().numpy().copy(), host.cpu().numpy().copy())
+        self._audit = (resident.cpu().numpy().copy(), host.cpu().numpy().copy(), layers)
 
     def _run_audit(self) -> None:
         """Host rows written last step equal their resident rows, every layer
@@ -653,14 +682,15 @@ class HiSparseWorker:
         if self._audit is None:
             return
         self.host_write.synchronize_previous()
-        resident, host = self._audit
+        resident, host, layers = self._audit
         self._audit = None
         rt, g = self.runtime, self.runtime.geometry
         keep = (host >= 0) & (resident >= 0).all(axis=0)
         if not keep.any():
             return
         host_rows = torch.from_numpy(host[keep])
-        for name, lv in rt.layers.items():
+        for name in layers:
+            lv = rt.layers[name]
             rows = torch.from_numpy(resident[lv.pair][keep])
             gpu = lv.resident[rows // g.block_size, rows % g.block_size].cpu()
             cpu = lv.host[host_rows]

@@ -17,7 +17,11 @@ attention (q_lora, qk_nope 128, v_head 128, 64 indexer heads), its router
 max_position_embeddings), and index_topk 2048 as in its config family.
 
 usage: python3 make_tiny_glm5.py OUTDIR [--arch glm5|dsv32] [--topk N]
-           [--heads 64] [--layers 4] [--index-topk-freq 1]
+           [--heads 64] [--layers 4] [--index-topk-freq 1] [--mtp 0]
+
+``--mtp N`` sets num_nextn_predict_layers: N MTP layers after the target's
+(docs/mtp.md 4; the gate's MTP model is ``--layers 3 --mtp 1``, whose
+HiSparse layout is flat: 4 pairs, the MTP layer alone in the last).
 Adapted from the team's shared device recipe (shared/device/make_tiny_glm5.py).
 """
 import argparse, json, os
@@ -34,6 +38,8 @@ ap.add_argument("--vocab", type=int, default=8192)
 ap.add_argument("--max-pos", type=int, default=16384)
 ap.add_argument("--index-topk-freq", type=int, default=1,
                 help="IndexShare: >1 makes some layers reuse the previous top-k")
+ap.add_argument("--mtp", type=int, default=0,
+                help="num_nextn_predict_layers (MTP drafter layers)")
 a = ap.parse_args()
 if a.topk is None:
     a.topk = 2048 if a.arch == "dsv32" else 256
@@ -82,7 +88,7 @@ cfg = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "pad_token_id": 1,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": a.mtp,
 }
 if a.index_topk_freq > 1:
     cfg["index_topk_freq"] = a.index_topk_freq
@@ -138,4 +144,4 @@ json.dump(
 )
 print("wrote", a.out, json.dumps({k: cfg.get(k) for k in (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "index_topk",
-    "index_topk_freq", "n_routed_experts")}))
+    "index_topk_freq", "n_routed_experts", "num_nextn_predict_layers")}))

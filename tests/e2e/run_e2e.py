@@ -30,6 +30,12 @@ same seeded weights and the same requests:
 Pressure engines run without the mirror audit (it synchronizes every step,
 so no copy would overlap a forward); ``on_c2k_audit`` runs it.
 
+E2E-5 (docs/mtp.md 4): MTP speculative decoding (k = 1, 3; default mode and
+FULL_DECODE_ONLY) on a 3-layer + 1-MTP model, the drafter seeded and
+fingerprinted with the target; each scenario's drafts and accepted tokens
+(per position) are summed from the scheduler, and HiSparse's must equal the
+replay's wherever the keyed schedules are equal (the off arm's reported).
+
 usage: python3 tests/e2e/run_e2e.py --out DIR [--engines NAME,...]
            [--scenarios NAME,...] [--variant NAME] [--p2]
 Writes DIR/e2e.json and DIR/e2e_records.json (rewritten after every
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -95,6 +102,9 @@ MODELS = {  # name -> make_tiny_glm5.py arguments, index_topk
     # Issue 17 item 2: GLM-5's per-rank shapes at TP 4 and 8 (64 heads / TP)
     "glm_h16": (["--heads", "16"], INDEX_TOPK),
     "glm_h8": (["--heads", "8"], INDEX_TOPK),
+    # E2E-5 (docs/mtp.md 4): 3 layers + 1 MTP layer, flat addressing with 4
+    # pairs (4 layers + MTP would be strided, which binding refuses)
+    "glm_mtp": (["--layers", "3", "--mtp", "1"], INDEX_TOPK),
 }
 FEW_HEADS = ("glm_h16", "glm_h8")
 """Models below 32 heads per rank: their off arms keep FlashMLA sparse's
@@ -107,15 +117,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 def startup_minimum_blocks(max_model_len: int, chunk: int, pairs: int = NUM_PAIRS,
-                           topk: int = INDEX_TOPK, block: int = 64) -> int:
+                           topk: int = INDEX_TOPK, block: int = 64, q: int = 1) -> int:
     """The smallest GPU pool the startup check admits: one max_model_len
     request's admission cost (layout.RequestBlocks.admission): its indexer
     pages, min(pages, cap_res) per resident group (cap_res = the window
     min(admission_max_tokens = chunk, max_model_len) in pages + the 2-page
-    tail) and a hot region per hot group (H = 2 x top-k rows)."""
+    tail) and a hot region per hot group (H = (q + 1) x top-k rows, the
+    default device_buffer_size; q = 1 + num_speculative_tokens)."""
     pages = cdiv(max_model_len, block)
     cap_res = cdiv(min(chunk, max_model_len), block) + 2
-    return pages + pairs * min(pages, cap_res) + pairs * cdiv(2 * topk, block)
+    return pages + pairs * min(pages, cap_res) + pairs * cdiv((q + 1) * topk, block)
 
 
 # A little above the minimum (424 at 2048, 808 at 8192): a 6K prompt
@@ -124,6 +135,16 @@ PRESSURE_BLOCKS = {2048: 450, 8192: 840}
 # DeepSeek-V3.2's top-k 2048 makes each hot region 64 blocks: minimum 648
 # at chunk 2048; a 6K prompt fully resident with its regions costs 726.
 DSV32_PRESSURE_BLOCKS = 680
+# E2E-5, MTP k at chunk 2048 (glm_mtp: 4 pairs as the 4-layer model): the
+# minimum with q = 1 + k (440 for k = 1, 472 for k = 3) + 26, the margin of
+# PRESSURE_BLOCKS[2048]. Needs GPU tuning: lower until single6k loses pages.
+MTP_PRESSURE_BLOCKS = {1: 466, 3: 498}
+MTP_OUT_TOKENS = 128
+"""Every turn of an MTP engine generates at least this many tokens (both
+arms): many verify steps, each reading host pages."""
+MTP_TAGS = {f"mtp{k}{suffix}": (k, mode) for k in MTP_PRESSURE_BLOCKS
+            for suffix, mode in (("", "default"), ("_fdo", "fdo"))}
+"""E2E-5's trios off_/on_/rep_<tag>: tag -> (num_speculative_tokens, mode)."""
 # E2E-9: 320 host blocks of 4 x 64 x 656 B (>= one 16K request's 256); the
 # long_outputs requests together need ~344.
 HOSTEX_GIB = 320 * NUM_PAIRS * 64 * 656 / (1 << 30)
@@ -137,23 +158,30 @@ OFFLOAD = {"cpu_bytes_to_use": 1 << 30}
 
 def engine_specs() -> dict[str, dict]:
     """name -> {model, mode, chunk, hisparse: None | dict, blocks, offload,
-    audit, kind, no_pressure, hot, tp}."""
-    def off(model="glm", mode="default", chunk=2048, tp=1):
-        return dict(model=model, mode=mode, chunk=chunk, hisparse=None, tp=tp,
-                    separate_prefill=model in FEW_HEADS)
+    audit, kind, no_pressure, hot, tp, spec (MTP k), out_tokens}."""
+    def off(model="glm", mode="default", chunk=2048, tp=1, spec=0):
+        return with_spec(dict(model=model, mode=mode, chunk=chunk, hisparse=None, tp=tp,
+                              separate_prefill=model in FEW_HEADS), spec)
 
     specs_off = {"off_c2k": off(), "off_c8k": off(chunk=8192), "off_eager": off(mode="eager"),
                  "off_fdo": off(mode="fdo"), "off_share": off(model="glm_share"),
                  "off_tp2": off(tp=2), "off_dsv32": off(model="dsv32"),
-                 "off_h16": off(model="glm_h16"), "off_h8": off(model="glm_h8")}
+                 "off_h16": off(model="glm_h16"), "off_h8": off(model="glm_h8"),
+                 **{f"off_{t}": off(model="glm_mtp", mode=m, spec=k)
+                    for t, (k, m) in MTP_TAGS.items()}}
 
     def on(model="glm", mode="default", chunk=2048, blocks="pressure", offload=False,
-           audit=False, kind="pressure", tp=1, **hisparse):
+           audit=False, kind="pressure", tp=1, spec=0, **hisparse):
         if blocks == "pressure":
-            blocks = DSV32_PRESSURE_BLOCKS if model == "dsv32" else PRESSURE_BLOCKS[chunk]
-        return dict(model=model, mode=mode, chunk=chunk,
-                    hisparse={"host_pool_gib": 2, **hisparse}, blocks=blocks,
-                    offload=offload, audit=audit, kind=kind, tp=tp)
+            blocks = (MTP_PRESSURE_BLOCKS[spec] if spec else
+                      DSV32_PRESSURE_BLOCKS if model == "dsv32" else PRESSURE_BLOCKS[chunk])
+        return with_spec(dict(model=model, mode=mode, chunk=chunk,
+                              hisparse={"host_pool_gib": 2, **hisparse}, blocks=blocks,
+                              offload=offload, audit=audit, kind=kind, tp=tp), spec)
+
+    def on_mtp(tag: str, **kw):
+        k, mode = MTP_TAGS[tag]
+        return on(model="glm_mtp", mode=mode, spec=k, **kw)
 
     return {
         "off_c2k": off(),
@@ -191,16 +219,29 @@ def engine_specs() -> dict[str, dict]:
         # E2E-10, two GPUs: one host pool shared by both ranks (rank 0 writes).
         "off_tp2": off(tp=2),
         "on_tp2": on(offload=True, tp=2),
+        # E2E-5: MTP k = 1, 3 in the default mode and FULL_DECODE_ONLY,
+        # without the offloader (the MTP path alone); F2 on the GPU: the
+        # mirror audit covers the draft layer's rows.
+        **{name: spec for t in MTP_TAGS
+           for name, spec in ((f"off_{t}", specs_off[f"off_{t}"]), (f"on_{t}", on_mtp(t)))},
+        "on_mtp3_audit": on_mtp("mtp3", audit=True),
         # Replay arms: the off engine's configuration, following the
         # recorded schedules of the HiSparse engines run before them.
         **{rep: dict(specs_off[ref], replay_of=ref) for rep, ref in REPLAYS.items()},
     }
 
 
+def with_spec(spec: dict, k: int) -> dict:
+    """An engine spec with MTP k (E2E-5): ``spec`` (num_speculative_tokens)
+    and the longer outputs; unchanged for k = 0."""
+    return dict(spec, spec=k, out_tokens=MTP_OUT_TOKENS) if k else spec
+
+
 REPLAYS = {
     "rep_c2k": "off_c2k", "rep_c8k": "off_c8k", "rep_eager": "off_eager",
     "rep_fdo": "off_fdo", "rep_share": "off_share", "rep_tp2": "off_tp2",
     "rep_dsv32": "off_dsv32", "rep_h16": "off_h16", "rep_h8": "off_h8",
+    **{f"rep_{t}": f"off_{t}" for t in MTP_TAGS},
 }
 """Replay engine -> the off engine whose configuration it has; it replays
 every HiSparse engine of that reference that ran before it."""
@@ -209,6 +250,7 @@ REFERENCE = {
     "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
     "on_tp2": "off_tp2", "on_dsv32": "off_dsv32", "on_h16": "off_h16", "on_h8": "off_h8",
+    **{f"on_{t}": f"off_{t}" for t in MTP_TAGS}, "on_mtp3_audit": "off_mtp3",
 }
 SCENARIO_ORDER = ("single6k", "single12k", "short_topk", "concurrent", "host_prefix",
                   "equal_followups", "long_outputs", "returning", "fault_probe")
@@ -231,6 +273,9 @@ ON_PLAN = {
     # separate FP8 path with padded heads
     "on_h16": ["single6k", "concurrent", "equal_followups", "fault_probe"],
     "on_h8": ["single6k", "concurrent", "equal_followups", "fault_probe"],
+    # E2E-5: host_prefix drops the common hit's last token under MTP (R8)
+    **{f"on_{t}": ["single6k", "concurrent", "host_prefix", "fault_probe"] for t in MTP_TAGS},
+    "on_mtp3_audit": ["single6k", "concurrent", "host_prefix"],
 }
 SCENARIO_IDS = {
     "single6k": "E2E-1", "single12k": "E2E-1", "short_topk": "K9 (prompts <= top-k)",
@@ -243,6 +288,9 @@ ENGINE_IDS = {
     "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
     "on_share": "IndexShare", "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
     "on_h16": "16 heads per rank", "on_h8": "8 heads per rank",
+    **{f"on_{t}": f"E2E-5 (MTP {k}{', E2E-3' if m == 'fdo' else ''})"
+       for t, (k, m) in MTP_TAGS.items()},
+    "on_mtp3_audit": "E2E-5, F2 (mirror audit, MTP 3)",
 }
 DEFAULT_ENGINES = ("off_c2k", "on_c2k", "on_c2k_audit", "on_lazy", "on_hostex", "rep_c2k",
                    "off_c8k", "on_c8k", "rep_c8k")
@@ -349,6 +397,83 @@ def instrument(llm) -> None:
             return update(request, blocks, num_external_tokens)
 
         connector.update_state_after_alloc = tracked
+    instrument_acceptance(sched)
+
+
+# ------------------------------------------------------------- acceptance
+
+
+def new_tally(k: int) -> dict:
+    return {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+            "drafted_per_pos": [0] * k, "accepted_per_pos": [0] * k}
+
+
+def observe(tally: dict, num_draft_tokens: int, num_accepted_tokens: int,
+            num_invalid_spec_tokens: dict | None, request_id: str) -> None:
+    """One request-step's drafts, as the pin's make_spec_decoding_stats and
+    SpecDecodingStats.observe_draft count them (v1/core/sched/scheduler.py,
+    v1/spec_decode/metrics.py), whether or not log stats are on."""
+    if not num_draft_tokens:
+        return
+    if num_invalid_spec_tokens:
+        num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
+    tally["drafts"] += 1
+    tally["draft_tokens"] += num_draft_tokens
+    tally["accepted_tokens"] += num_accepted_tokens
+    for i in range(num_accepted_tokens):
+        tally["accepted_per_pos"][i] += 1
+    for i in range(num_draft_tokens):
+        tally["drafted_per_pos"][i] += 1
+
+
+def instrument_acceptance(sched) -> None:
+    """E2E-5: sum every request's drafts and accepted tokens (the scheduler
+    calls make_spec_decoding_stats per request and step even with stats
+    off, when it then returns None). Engines without drafts: nothing."""
+    k = getattr(sched, "num_spec_tokens", 0)
+    if not k:
+        return
+    sched._hs_spec = new_tally(k)
+    make = sched.make_spec_decoding_stats
+
+    def counted(stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens,
+                request_id):
+        observe(sched._hs_spec, num_draft_tokens, num_accepted_tokens,
+                num_invalid_spec_tokens, request_id)
+        return make(stats, num_draft_tokens=num_draft_tokens,
+                    num_accepted_tokens=num_accepted_tokens,
+                    num_invalid_spec_tokens=num_invalid_spec_tokens, request_id=request_id)
+
+    sched.make_spec_decoding_stats = counted
+
+
+def acceptance(llm) -> dict | None:
+    """A copy of the engine's tally so far (None: no drafts configured)."""
+    tally = getattr(core(llm).scheduler, "_hs_spec", None)
+    return json.loads(json.dumps(tally)) if tally is not None else None
+
+
+def tally_delta(after: dict | None, before: dict | None) -> dict | None:
+    if after is None or before is None:
+        return None
+    return {k: ([x - y for x, y in zip(v, before[k])] if isinstance(v, list)
+                else v - before[k]) for k, v in after.items()}
+
+
+def acceptance_verdict(on: dict, decisive: dict | None, decided_by: str | None,
+                       off: dict | None) -> dict:
+    """E2E-5: HiSparse's acceptance equals the decisive arm's (the replay,
+    or the natural off arm) wherever that arm ran the same keyed schedule:
+    same batches, so the same drafts; the off arm reported beside. No
+    equal-schedule arm: nothing to compare (the scenario fails anyway)."""
+    arm = {"replay": (decisive or {}).get("acceptance"), "natural": off}.get(decided_by)
+    comparable = decisive is not None and decisive.get("schedule_equal") and arm is not None
+    equal = on == arm if comparable else None
+    return {"on": on, "decisive": arm, "decided_by": decided_by, "off": off,
+            "equal": equal, "pass": equal is not False,
+            "rate": {n: (t["accepted_tokens"] / t["draft_tokens"]
+                         if t and t["draft_tokens"] else None)
+                     for n, t in (("on", on), ("off", off))}}
 
 
 def scheduler_counters(llm) -> dict:
@@ -447,6 +572,8 @@ def llm_kwargs(spec: dict, model_dirs: dict) -> dict:
               max_num_batched_tokens=spec["chunk"], **MODES[spec["mode"]])
     if spec.get("tp", 1) > 1:
         kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
+    if spec.get("spec"):
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec["spec"]}
     if spec["hisparse"] is None:
         # The prefill path HiSparse forces (K9), set explicitly in the off arm.
         kw["attention_config"] = AttentionConfig(sparse_mla_force_mqa=True)
@@ -531,8 +658,14 @@ def generate_records(llm, prompts: list[list[int]], max_tokens: list[int],
                                        done[i].outputs[0].logprobs) for i in ids]
 
 
-def run_scenario(llm, name: str, deadline: float, plan: list | None = None
-                 ) -> tuple[dict[str, dict], list, dict | None]:
+def scenario_calls(name: str, out_tokens: int = 0) -> list:
+    """The scenario's calls, every turn generating at least ``out_tokens``."""
+    return [[dataclasses.replace(t, max_tokens=max(t.max_tokens, out_tokens)) for t in call]
+            for call in workload.scenario(name)]
+
+
+def run_scenario(llm, name: str, deadline: float, plan: list | None = None,
+                 out_tokens: int = 0) -> tuple[dict[str, dict], list, dict | None]:
     """Every call of the scenario in order, on the engine's own schedule or
     following ``plan`` (another engine's keyed steps); the records by
     request key ("call/conversation"), the keyed steps and where a replay
@@ -541,7 +674,7 @@ def run_scenario(llm, name: str, deadline: float, plan: list | None = None
     tap.start(plan)
     histories: dict[str, list[int]] = {}
     records: dict[str, dict] = {}
-    for c, call in enumerate(workload.scenario(name)):
+    for c, call in enumerate(scenario_calls(name, out_tokens)):
         prompts = [workload.prompt_of(t, histories) for t in call]
         keys = [f"{c}/{t.conv}" for t in call]
         recs = generate_records(llm, prompts, [t.max_tokens for t in call], deadline, keys)
@@ -556,6 +689,12 @@ def apply_variant(llm, name: str) -> dict:
     """Re-initialise the weights in place, then drop every cached prefix
     (its KV came from other weights)."""
     summary = llm.apply_model(functools.partial(seeded_init.apply, variant_name=name))[0]
+    # The MTP drafter is not reached by apply_model (worker_base.apply_model
+    # passes get_model() only); its aliases of the target are skipped.
+    drafter = llm.collective_rpc(functools.partial(seeded_init.apply_drafter,
+                                                   variant_name=name))[0]
+    if drafter is not None:
+        summary["drafter"] = drafter
     summary["prefix_cache_reset"] = bool(llm.reset_prefix_cache())
     return summary
 
@@ -645,7 +784,7 @@ def p2(llm) -> dict:
 
 
 MODEL_DIRS = {"glm": "tiny_glm5", "glm_share": "tiny_glm5_share", "dsv32": "tiny_dsv32",
-              "glm_h16": "tiny_glm5_h16", "glm_h8": "tiny_glm5_h8"}
+              "glm_h16": "tiny_glm5_h16", "glm_h8": "tiny_glm5_h8", "glm_mtp": "tiny_glm5_mtp"}
 
 
 def make_models(stage: Path) -> dict[str, Path]:
@@ -690,7 +829,9 @@ class Gate:
         self.R: dict = {"command": " ".join(sys.argv), "engines": {}, "scenarios": [],
                         "records": {}, "traces": {}, "sensitivity": None,
                         "negative_control": [], "startup_minimum_blocks": {
-                            c: startup_minimum_blocks(MAX_MODEL_LEN, c) for c in CHUNKS}}
+                            **{c: startup_minimum_blocks(MAX_MODEL_LEN, c) for c in CHUNKS},
+                            **{f"mtp{k}": startup_minimum_blocks(MAX_MODEL_LEN, 2048, q=1 + k)
+                               for k in MTP_PRESSURE_BLOCKS}}}
         self.variant: str | None = None
         self.fingerprints: dict[str, dict] = {}
         self.failures: list[str] = []
@@ -786,7 +927,7 @@ class Gate:
                 self.fail("determinism control: one engine, one request, two runs "
                           f"differ even with the canonical top-k order ({det})")
         rec["weights"] = apply_variant(llm, self.variant)
-        prints = llm.apply_model(seeded_init.fingerprint)
+        prints = llm.collective_rpc(seeded_init.worker_fingerprint)  # target + drafter
         rec["weights_fingerprint"] = [p["digest"] for p in prints]
         self.fingerprints[name] = {"key": (spec["model"], spec.get("tp", 1)), "prints": prints}
         rec["host_pool_roles"] = llm.collective_rpc(host_pool_role)
@@ -831,10 +972,13 @@ class Gate:
 
             entry["armed"] = llm.collective_rpc(arm_host_row_fault)
         t0 = time.time()
-        before = counters(llm)
-        records, trace, _ = run_scenario(llm, scenario, t0 + self.a.scenario_timeout)
+        before, spec_before = counters(llm), acceptance(llm)
+        records, trace, _ = run_scenario(llm, scenario, t0 + self.a.scenario_timeout,
+                                         out_tokens=self.specs[name].get("out_tokens", 0))
         entry["wall_s"] = round(time.time() - t0, 1)
         entry["counters"] = delta(counters(llm), before)
+        if spec_before is not None:
+            entry["acceptance"] = tally_delta(acceptance(llm), spec_before)
         if fault:
             from vllm.v1.hisparse.debug_faults import fault_status
 
@@ -877,9 +1021,13 @@ class Gate:
         t0 = time.time()
         rec: dict = {"engine": name}
         ok = True
+        spec_before = acceptance(llm)
         try:
-            records, steps, diverged = run_scenario(llm, scenario, t0 + self.a.scenario_timeout,
-                                                    plan=self.R["traces"][key])
+            records, steps, diverged = run_scenario(
+                llm, scenario, t0 + self.a.scenario_timeout, plan=self.R["traces"][key],
+                out_tokens=self.specs[name].get("out_tokens", 0))
+            if spec_before is not None:
+                rec["acceptance"] = tally_delta(acceptance(llm), spec_before)
             self.R["records"][f"{name}/{key}"] = records
             self.R["traces"][f"{name}/{key}"] = steps
             rec.update(compare.compare_scenario(records, self.R["records"][key],
@@ -917,7 +1065,8 @@ class Gate:
             e["decided_by"] = ("replay" if e.get("replay") is not None else
                                "natural" if cmp is not None else None)
             if e["scenario"] != "fault_probe":
-                e["pass"] = (cmp is not None and cmp["pass"]
+                acc = self.acceptance_check(e, cmp)
+                e["pass"] = (cmp is not None and cmp["pass"] and acc["pass"]
                              and e["comparison"]["pass"] and all(e["checks"].values()))
                 if e["pass"] and e["counters"].get("misses", 0) > 0:
                     clean[e["engine"]] = clean.get(e["engine"], 0) + 1
@@ -931,8 +1080,20 @@ class Gate:
                 e["pass"] = nc["pass"] and all(e["checks"].values())
             if not e["pass"]:
                 why = cmp["note"] if cmp is not None else "schedule differed and no replay ran"
+                if not e.get("acceptance_check", {}).get("pass", True):
+                    why = f"MTP acceptance differs from the {e['decided_by']} arm's"
                 self.fail(f"{e['engine']}/{e['scenario']}: {why}, checks "
                           f"{[k for k, v in e['checks'].items() if not v]}")
+
+    def acceptance_check(self, e: dict, cmp: dict | None) -> dict:
+        """E2E-5's acceptance verdict of a HiSparse scenario with drafts
+        (recorded in the entry); a pass for engines without them."""
+        if "acceptance" not in e:
+            return {"pass": True}
+        off = self.entry_of(REFERENCE[e["engine"]], e["scenario"]) or {}
+        e["acceptance_check"] = acceptance_verdict(e["acceptance"], cmp, e["decided_by"],
+                                                   off.get("acceptance"))
+        return e["acceptance_check"]
 
     def finish(self) -> None:
         """Run-level verdicts: every scenario's (verdicts()); the weights

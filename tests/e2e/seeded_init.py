@@ -4,7 +4,9 @@
 Shared by the e2e driver (``LLM.apply_model(apply)`` after the engine is
 built) and the ``hisparse_seeded`` load-format plugin (at load time, before
 vLLM's ``process_weights_after_loading``), so that every arm of every run
-serves the same weights.
+serves the same weights. An MTP drafter (a separate module the runner
+holds) is seeded by ``apply_drafter`` through ``collective_rpc``, skipping
+the parameters it shares with the target.
 
 Why not vLLM's dummy weights: the dummy loader fills EVERY parameter,
 RMSNorm/LayerNorm weights included, uniform(-1e-3, 1e-3)
@@ -121,10 +123,14 @@ def apply(model, variant_name: str = DEFAULT_VARIANT) -> dict:
     """Initialise ``model`` in place (both the plugin and apply_model call
     this). Returns a summary: the variant, counts per action, the names
     kept as they were."""
+    return init_params(model, dict(model.named_parameters()), variant(variant_name))
+
+
+def init_params(model, params: dict, v: Variant) -> dict:
+    """Initialise ``params`` (name -> parameter of ``model``) in place, then
+    re-derive ``model``'s absorbed MLA weights."""
     import torch
 
-    v = variant(variant_name)
-    params = dict(model.named_parameters())
     steps = plan(((n, p.dim(), torch.is_floating_point(p)) for n, p in params.items()), v)
     counts: dict[str, int] = {}
     kept = []
@@ -144,6 +150,57 @@ def apply(model, variant_name: str = DEFAULT_VARIANT) -> dict:
                 kept.append(name)
         counts["rederived_modules"] = rederive_absorbed(model)
     return {"variant": v.name, "counts": counts, "kept": kept}
+
+
+# ------------------------------------------------- the drafter (MTP)
+
+DRAFTER_PREFIX = "drafter."
+"""Fingerprint names of the drafter's own parameters (its names, e.g.
+``model.layers.3.eh_proj.weight``, may not collide with the target's)."""
+
+
+def drafter_of(worker):
+    """The worker's draft model (``model_runner.drafter.model``, unwrapped
+    from a CUDA-graph wrapper by the pin's ``get_draft_model``), or None."""
+    get = getattr(worker, "get_draft_model", None)
+    return get() if get is not None else None
+
+
+def own_params(drafter, target) -> tuple[dict, list[str]]:
+    """The drafter's parameters that are not ``target``'s tensors (name ->
+    parameter, first name of each), and the names of those that are.
+
+    After the proposer's load_model, an MTP drafter's ``embed_tokens`` and
+    every ``shared_head.head`` are the target's modules (the same tensors,
+    llm_base_proposer ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``):
+    seeding them under the drafter's names would overwrite the target's
+    embeddings and lm_head with other draws. Identity, not names, decides."""
+    shared = {id(p) for p in target.parameters()}
+    own: dict = {}
+    seen: set[int] = set()
+    aliased = []
+    for name, p in drafter.named_parameters(remove_duplicate=False):
+        if id(p) in shared:
+            aliased.append(name)
+        elif id(p) not in seen:
+            seen.add(id(p))
+            own[name] = p
+    return own, aliased
+
+
+def apply_drafter(worker, variant_name: str = DEFAULT_VARIANT) -> dict | None:
+    """Seed the worker's drafter in place (``collective_rpc``: apply_model
+    reaches only the target), its aliases of the target skipped; None
+    without a drafter. Its own parameters keep their own names, so they get
+    the draws the load-format plugin gives them (it seeds the drafter
+    before the sharing replaces the aliased modules)."""
+    drafter = drafter_of(worker)
+    if drafter is None:
+        return None
+    own, aliased = own_params(drafter, worker.get_model())
+    summary = init_params(drafter, own, variant(variant_name))
+    summary["aliased"] = aliased
+    return summary
 
 
 def rederive_absorbed(model) -> int:
@@ -171,31 +228,45 @@ def rederive_absorbed(model) -> int:
     return n
 
 
-def fingerprint(model) -> dict:
-    """Digests of every parameter's bytes (two position-weighted integer
-    sums per parameter, on the device: cheap): {"digest": all of them,
-    "params": name -> digest}. Equal digests = identical weights, the arms'
-    precondition."""
+def param_digest(p) -> str:
+    """Two position-weighted integer sums of the bytes (on the device:
+    cheap), with shape and dtype."""
     import hashlib
 
     import torch
 
     chunk = 1 << 22
-    params = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            b = p.detach().reshape(-1).contiguous().view(torch.uint8)
-            sums = []
-            for start in range(0, b.numel(), chunk):
-                part = b[start:start + chunk].to(torch.int64)
-                w = torch.arange(start, start + part.numel(), device=part.device,
-                                 dtype=torch.int64) % 65521 + 1
-                sums.append(torch.stack([part.sum(), (part * w).sum()]))
-            total = torch.stack(sums).sum(dim=0).tolist() if sums else [0, 0]
-            text = f"{tuple(p.shape)}:{p.dtype}:{total}"
-            params[name] = hashlib.sha256(text.encode()).hexdigest()[:12]
+        b = p.detach().reshape(-1).contiguous().view(torch.uint8)
+        sums = []
+        for start in range(0, b.numel(), chunk):
+            part = b[start:start + chunk].to(torch.int64)
+            w = torch.arange(start, start + part.numel(), device=part.device,
+                             dtype=torch.int64) % 65521 + 1
+            sums.append(torch.stack([part.sum(), (part * w).sum()]))
+        total = torch.stack(sums).sum(dim=0).tolist() if sums else [0, 0]
+    text = f"{tuple(p.shape)}:{p.dtype}:{total}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def fingerprint(model, drafter=None) -> dict:
+    """Digests of every parameter's bytes, the drafter's own ones (not its
+    aliases of ``model``) under DRAFTER_PREFIX: {"digest": all of them,
+    "params": name -> digest}. Equal digests = identical weights, the arms'
+    precondition."""
+    import hashlib
+
+    params = {name: param_digest(p) for name, p in model.named_parameters()}
+    if drafter is not None:
+        own, _ = own_params(drafter, model)
+        params.update({DRAFTER_PREFIX + n: param_digest(p) for n, p in own.items()})
     whole = hashlib.sha256(repr(sorted(params.items())).encode()).hexdigest()[:16]
     return {"digest": whole, "params": params}
+
+
+def worker_fingerprint(worker) -> dict:
+    """``fingerprint`` of a worker's target and drafter (``collective_rpc``)."""
+    return fingerprint(worker.get_model(), drafter_of(worker))
 
 
 def differing_params(a: list[dict], b: list[dict]) -> list[str]:

@@ -24,6 +24,17 @@ class Model(nn.Module):
         self.lm_head.weight = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
 
 
+class Drafter(nn.Module):
+    """An MTP drafter after the proposer's load_model: a parameter of its
+    own, the target's lm_head shared (the same module)."""
+
+    def __init__(self, target: Model) -> None:
+        super().__init__()
+        self.eh_proj = nn.Module()
+        self.eh_proj.weight = nn.Parameter(torch.zeros(4, 8), requires_grad=False)
+        self.lm_head = target.lm_head
+
+
 class Queue(list):
     """vLLM's FCFS request queue, as much of it as the replay tap uses."""
 
@@ -49,6 +60,7 @@ class Scheduler:
         self.running: list = []
         self.waiting = Queue()
         self.block_size = 64
+        self.num_spec_tokens = owner.k
         self.max_num_scheduled_tokens = owner.kw["max_num_batched_tokens"]
         stats = SimpleNamespace(lost_pages=0, spills_completed=0, waits_for_in_flight=0)
         self.kv_cache_manager = SimpleNamespace(coordinator=SimpleNamespace(
@@ -57,6 +69,10 @@ class Scheduler:
 
     def _preempt_request(self, *a) -> None:
         pass
+
+    def make_spec_decoding_stats(self, stats, num_draft_tokens, num_accepted_tokens,
+                                 num_invalid_spec_tokens, request_id):
+        return None  # log stats off, as in the gate
 
     def finish_requests(self, *a) -> list:
         return []
@@ -96,7 +112,9 @@ class FakeLLM:
     def __init__(self, **kw) -> None:
         self.kw = kw
         self.hisparse = kw["attention_config"].hisparse_config is not None
+        self.k = (kw.get("speculative_config") or {}).get("num_speculative_tokens", 0)
         self.model = Model()
+        self.drafter = Drafter(self.model) if self.k else None
         self.pending: dict[str, tuple] = {}
         self.counter = 0
         self.fault_armed = False
@@ -148,6 +166,10 @@ class FakeLLM:
                 rid = r.request_id.split("-")[0]
                 p, sp = self.pending.pop(rid)
                 outs.append(self.output(rid, p, sp, r.chunks))
+                if self.k:
+                    sched.make_spec_decoding_stats(
+                        None, num_draft_tokens=self.k, num_accepted_tokens=self.accepted(p),
+                        num_invalid_spec_tokens=None, request_id=r.request_id)
         self.steps += 1
         if self.hisparse:
             self.stats().lost_pages += 3
@@ -170,6 +192,12 @@ class FakeLLM:
         return SimpleNamespace(request_id=rid, finished=True, outputs=[
             SimpleNamespace(token_ids=toks, logprobs=lps)])
 
+    def accepted(self, prompt) -> int:
+        """Drafts accepted: a function of the prompt; ``skew["accept"]``
+        shifts the HiSparse arm's."""
+        n = len(prompt) + (self.hisparse and bool(self.skew.get("accept")))
+        return n % (self.k + 1)
+
     def abort(self, ids):
         sched = self.scheduler()
         for i in ids:
@@ -189,6 +217,9 @@ class FakeLLM:
         return True
 
     def collective_rpc(self, fn):
+        if getattr(fn, "func", fn).__module__ == "seeded_init":  # the worker's models
+            return [fn(SimpleNamespace(get_model=lambda: self.model,
+                                       get_draft_model=lambda: self.drafter))]
         name = getattr(fn, "__name__", "")
         if name == "arm_host_row_fault":
             self.fault_armed = True
@@ -207,8 +238,8 @@ def gate(tmp_path, monkeypatch):
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "cpu")
-    monkeypatch.setattr(e2e, "make_models", lambda stage: {"glm": stage / "g",
-                                                           "glm_share": stage / "s"})
+    monkeypatch.setattr(e2e, "make_models", lambda stage: {
+        "glm": stage / "g", "glm_share": stage / "s", "glm_mtp": stage / "m"})
     monkeypatch.setattr(e2e, "shutdown", lambda llm: None)
 
     def run(engines, scenarios="single6k,concurrent,fault_probe", **skew):
@@ -300,7 +331,12 @@ def test_a_replay_that_cannot_follow_fails(gate):
 
 
 def test_missing_pressure_fails_the_checks(gate, monkeypatch):
-    monkeypatch.setattr(FakeLLM, "collective_rpc", lambda self, fn: [{}])
+    rpc = FakeLLM.collective_rpc  # the weights (seeded_init) still reach the models
+
+    def no_worker_counters(self, fn):
+        return rpc(self, fn) if getattr(fn, "func", fn).__module__ == "seeded_init" else [{}]
+
+    monkeypatch.setattr(FakeLLM, "collective_rpc", no_worker_counters)
     rc, R = gate("off_c2k,on_c2k", scenarios="single6k")
     e = entry(R, "on_c2k", "single6k")
     assert rc == 1 and e["comparison"]["pass"] and not e["checks"]["hot_misses"]
@@ -328,3 +364,31 @@ def test_an_insensitive_init_fails_the_run(gate, monkeypatch):
     rc, R = gate("off_c2k,on_c2k", scenarios="single6k")
     assert rc == 1 and not R["sensitivity"]["meets"]
     assert any("sensitivity" in f for f in R["failures"])
+
+
+def test_an_mtp_trio_tallies_acceptance_and_passes(gate):
+    """E2E-5: every arm sums its drafts per scenario; HiSparse's equals the
+    replay's (equal keyed schedules), the off arm's reported beside; the
+    drafter's own weights are seeded (the shared lm_head skipped) and
+    fingerprinted in every engine; turns run 128 tokens."""
+    rc, R = gate("off_mtp1,on_mtp1,rep_mtp1", scenarios="single6k")
+    assert rc == 0, R["failures"]
+    e = entry(R, "on_mtp1", "single6k")
+    acc = e["acceptance_check"]
+    assert acc["equal"] is True and acc["decided_by"] == e["decided_by"] == "replay"
+    assert acc["on"] == acc["decisive"] == acc["off"] == e["acceptance"]
+    assert e["acceptance"]["drafts"] == 1 and e["acceptance"]["draft_tokens"] == 1
+    drafter = R["engines"]["on_mtp1"]["weights"]["drafter"]
+    assert drafter["aliased"] == ["lm_head.weight"] and drafter["counts"]["normal"] == 1
+    assert R["weights_identical"] == {"('glm_mtp', 1)": True}
+    assert len(R["records"]["on_mtp1/single6k"]["0/a"]["tokens"]) == e2e.MTP_OUT_TOKENS
+
+
+def test_mtp_acceptance_differing_from_the_replay_fails(gate):
+    """E2E-5: bitwise-equal tokens but other accepted counts under the
+    replayed schedule fail the scenario, named as such."""
+    rc, R = gate("off_mtp1,on_mtp1,rep_mtp1", scenarios="single6k", accept=True)
+    e = entry(R, "on_mtp1", "single6k")
+    assert rc == 1 and e["replay"]["bitwise_logprobs"] and not e["pass"]
+    assert e["acceptance_check"]["equal"] is False
+    assert any("MTP acceptance differs from the replay arm" in f for f in R["failures"])

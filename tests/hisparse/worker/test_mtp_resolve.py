@@ -94,18 +94,24 @@ def target_forward(rig, md, topk) -> None:
             rig.rt.decode_rows(name, 2 * Q, topk, md.seq_lens, md.block_table)
 
 
+def after_target_forward():
+    """A rig whose target forward ran this step (verification top-k), the
+    target groups and their state then, and the draft layer's group."""
+    rig, md = draft_rig()
+    topk = verify_topk()
+    target_forward(rig, md, topk)
+    targets = [g for g in rig.rt.groups if g.leader != DRAFT]
+    return rig, md, topk, targets, group_state(targets), rig.rt.layers[DRAFT].group
+
+
 def test_pass0_resolves_q_rows_per_request_as_one_union():
     """F3 / INV-36 on the draft group: pass 0's req_id_per_token is the
     target's token rows, so each request's q rows are one union group:
     every distinct host row is loaded once per request (11 misses each, no
     host row or hot slot twice in a plan) and every row reads its own
     request's bytes (INV-1); the target groups' state is untouched (INV-34)."""
-    rig, md = draft_rig()
-    rt, topk = rig.rt, verify_topk()
-    target_forward(rig, md, topk)
-    targets = [g for g in rt.groups if g.leader != DRAFT]
-    before = group_state(targets)
-    draft = rt.layers[DRAFT].group
+    rig, md, topk, targets, before, draft = after_target_forward()
+    rt = rig.rt
     assert torch.equal(md.req_id_per_token[:2 * Q], rt.row_req[:2 * Q])
     rt.begin_draft_pass(md.num_decodes, md.num_decode_tokens)
     rows, _ = rt.decode_rows(DRAFT, 2 * Q, topk, md.seq_lens, md.block_table,
@@ -139,12 +145,8 @@ def test_later_passes_resolve_one_row_per_request():
     request; each row is resolved for its own request (the target's token
     rows would give row 1 to request 0), hits what pass 0 loaded and loads
     only the new position; the target groups are untouched (INV-34)."""
-    rig, md = draft_rig()
-    rt, topk = rig.rt, verify_topk()
-    target_forward(rig, md, topk)
-    targets = [g for g in rt.groups if g.leader != DRAFT]
-    before = group_state(targets)
-    draft = rt.layers[DRAFT].group
+    rig, md, topk, targets, before, draft = after_target_forward()
+    rt = rig.rt
     rt.begin_draft_pass(md.num_decodes, md.num_decode_tokens)
     rt.decode_rows(DRAFT, 2 * Q, topk, md.seq_lens, md.block_table,
                    row_req=md.req_id_per_token)

@@ -109,9 +109,10 @@ def test_hybrid_kv_cache_manager_required():
     cc.check_hybrid_kv_cache_manager(False)
 
 
-def test_speculation_mtp_only():
-    """6.3 #15: proposers other than MTP are refused; MTP itself is refused
-    for now, with its own message (the drafter's layer is not mirrored)."""
+def test_speculation_mtp_only(monkeypatch):
+    """6.3 #15: proposers other than MTP are refused; MTP needs the opt-in
+    until its e2e gate passes (docs/mtp.md), and then the padded drafter
+    batch without parallel drafting (docs/mtp.md 3.1)."""
     with raises(
         "HiSparse supports speculative decoding with MTP only; "
         "speculative_config.method=eagle3. Use method 'mtp' (or no speculation), "
@@ -119,8 +120,17 @@ def test_speculation_mtp_only():
     ):
         cc.check_speculative_method("eagle3")
     cc.check_speculative_method(None)
-    with pytest.raises(HiSparseConfigError, match="does not run speculative decoding yet"):
+    monkeypatch.delenv(cc.MTP_ENV, raising=False)
+    with pytest.raises(HiSparseConfigError, match=f"yet .*{cc.MTP_ENV}=1"):
         cc.check_speculative_method("mtp")
+    monkeypatch.setenv(cc.MTP_ENV, "1")
+    cc.check_speculative_method("mtp")
+    with pytest.raises(HiSparseConfigError, match="disable_padded_drafter_batch=True"):
+        cc.check_speculative_method("mtp", disable_padded_drafter_batch=True)
+    with pytest.raises(HiSparseConfigError, match="parallel_drafting=True"):
+        cc.check_speculative_method("mtp", parallel_drafting=True)
+    with pytest.raises(HiSparseConfigError, match="MTP only"):
+        cc.check_speculative_method("eagle3")
 
 
 def test_f15_full_input_reservation_is_required():

@@ -34,11 +34,11 @@ class Bound(WorkerRig):
     and the prefill staging cache."""
 
     def __init__(self, *, freq=1, topk=64, hot=None, seqs=8, tokens=512,
-                 max_model_len=40 * B):
+                 max_model_len=40 * B, layers=4, mtp=0, q=1):
         staging_blocks = staging_block_count(max_model_len, B, tokens)
-        config = tiny_config(freq=freq, index_topk=topk, device_buffer_size=hot,
-                             num_gpu_blocks=NUM_GPU_BLOCKS,
-                             staging_blocks=staging_blocks)
+        config = tiny_config(num_layers=layers, freq=freq, index_topk=topk,
+                             device_buffer_size=hot, num_gpu_blocks=NUM_GPU_BLOCKS,
+                             staging_blocks=staging_blocks, num_mtp=mtp, q=q)
         batch = Batch(len(config.layout.kv_cache_groups), max_reqs=seqs,
                       max_blocks=cdiv(max_model_len, B), max_tokens=tokens)
         super().__init__(config=config, tables=batch, max_num_seqs=seqs,
@@ -110,6 +110,31 @@ def test_reserve_covers_every_tensor_the_worker_holds(bind, case):
     held = held_tensor_bytes([b.rt, b.worker, b.staging], "cpu",
                              exclude=[b.slab, b.pool.tensor])
     assert held == b.reserve().worker_state
+
+
+def test_reserve_covers_the_mtp_drafters_slot_buffers(bind):
+    """docs/mtp.md 3.11 (L17): with an MTP layer the reserve also counts the
+    drafter's slot buffers, which ``bind_runtime`` attaches to the proposer
+    and walks with the rest; without one it counts none."""
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse.drafter import attach_drafter
+
+    b = bind(layers=3, mtp=1, q=2)
+    draft = {"model.layers.3.self_attn.attn", "model.layers.3.self_attn.indexer.k_cache"}
+    runner = SimpleNamespace(
+        drafter=SimpleNamespace(hisparse=None, _draft_attn_layer_names=draft),
+        kv_cache_config=b.config)
+    binding = attach_drafter(runner, b.rt, b.limits.max_num_batched_tokens)
+    reserve = b.reserve()
+    assert reserve.drafter_slots == nbytes(*binding.buffers.values()) > 0
+    held = held_tensor_bytes([b.rt, b.worker, b.staging, binding], "cpu",
+                             exclude=[b.slab, b.pool.tensor])
+    assert held == reserve.worker_state
+    assert "MTP drafter slots" in reserve.describe()
+    plain = bind()
+    assert plain.reserve().drafter_slots == 0
+    assert "MTP" not in plain.reserve().describe()
 
 
 def test_held_bytes_count_shared_storage_once(bind):

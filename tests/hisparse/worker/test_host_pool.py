@@ -98,3 +98,26 @@ def test_one_pool_per_process(monkeypatch):
     finally:
         hp.release_host_pools()
     assert first.closed
+
+
+def test_one_pool_with_an_mtp_drafter(monkeypatch):
+    """F19 with MTP (docs/mtp.md 3.8): the drafter shares the target's
+    runner, so the target and draft layers live in one pool, pinned once:
+    the registered bytes are the plan's, and the MTP layer's array sits in
+    it beside the target layers'."""
+    rec = RecordingRegistrar()
+    monkeypatch.setattr(hp.HostRegistrar, "cuda",
+                        classmethod(lambda cls, read_only=False: rec.registrar()))
+    config = tiny_config(num_layers=3, num_mtp=1, q=2)
+    mtp = "model.layers.3.self_attn.attn"
+    assert list(config.layout.draft_layers) == [mtp]
+    try:
+        pool = hp.acquire_host_pool(config.host_pool)
+        assert hp.acquire_host_pool(config.host_pool) is pool  # the drafter's bind
+        registered = sum(c[2] for c in rec.calls if c[0] == "register")
+        assert registered == config.host_pool.region_bytes
+        rows = pool.layer_rows(mtp, config.layout.row_bytes)
+        assert rows.shape[0] == config.host_pool.num_blocks * config.layout.block_size
+        assert len({pool.layer_ptr(n) for n in config.layout.sparse_layers}) == 4
+    finally:
+        hp.release_host_pools()

@@ -330,13 +330,14 @@ def bind_runtime(
     if not has_kv_transfer_group():
         raise RuntimeError("HiSparse: no KV connector is installed in this worker")
     hisparse_connector(get_kv_transfer_group()).attach_worker(worker)
-    # An MTP drafter writes its KV through its own slot buffers (one int64
-    # [max_num_batched_tokens] per write group, not yet in the reserve's
-    # worker state: docs/mtp.md 3.4, 3.11).
-    attach_drafter(runner, runtime, scheduler_config.max_num_batched_tokens)
+    # An MTP drafter writes its KV through its own slot buffers (docs/mtp.md
+    # 3.4; counted in the reserve, 3.11).
+    drafter = attach_drafter(runner, runtime, scheduler_config.max_num_batched_tokens)
     # What this worker holds beside the slab, against the engine's reserve
     # (docs/layout.md L17); the engine logged the breakdown.
-    held = held_tensor_bytes([runtime, worker, staging], slab.device.type, [slab])
+    held = held_tensor_bytes(
+        [runtime, worker, staging, drafter], slab.device.type, [slab]
+    )
     check_worker_reserve(kv_cache_config.gpu_reserve, held)
     g = runtime.geometry
     logger.info(

@@ -165,9 +165,21 @@ def check_hybrid_kv_cache_manager(disabled: bool) -> None:
         )
 
 
-def check_speculative_method(method: str | None) -> None:
-    """Spec 6.3 #15: no speculation, or MTP. The worker path does not run
-    the drafter's layers yet, so MTP is refused too, with its own message."""
+MTP_ENV = "VLLM_HISPARSE_EXPERIMENTAL_MTP"
+"""Set to 1 to serve MTP before its e2e gate has passed on a GPU (docs/mtp.md)."""
+
+
+def check_speculative_method(
+    method: str | None,
+    *,
+    disable_padded_drafter_batch: bool = False,
+    parallel_drafting: bool = False,
+) -> None:
+    """Spec 6.3 #15: no speculation, or MTP. MTP needs the opt-in of
+    ``MTP_ENV`` until its e2e gate passes, and the padded drafter batch
+    without parallel drafting: the drafter's first pass must write the
+    target's tokens, which the step's mirror and staging plans were made
+    for (docs/mtp.md 3.1)."""
     if method is None:
         return
     if method != "mtp":
@@ -176,12 +188,23 @@ def check_speculative_method(method: str | None) -> None:
             f"speculative_config.method={method}. Use method 'mtp' (or no "
             "speculation), or remove attention_config.hisparse_config."
         )
-    raise HiSparseConfigError(
-        "HiSparse does not run speculative decoding yet "
-        "(speculative_config.method=mtp): the MTP drafter's sparse-MLA layer is "
-        "not mirrored to the host pool in this release. Remove "
-        "--speculative-config, or remove attention_config.hisparse_config."
-    )
+    if os.environ.get(MTP_ENV) != "1":
+        raise HiSparseConfigError(
+            "HiSparse does not run speculative decoding yet "
+            "(speculative_config.method=mtp): the MTP path has not passed its "
+            f"end-to-end gate (docs/mtp.md). Set {MTP_ENV}=1 to try it, remove "
+            "--speculative-config, or remove attention_config.hisparse_config."
+        )
+    for name, value in (
+        ("disable_padded_drafter_batch", disable_padded_drafter_batch),
+        ("parallel_drafting", parallel_drafting),
+    ):
+        if value:
+            raise HiSparseConfigError(
+                f"HiSparse runs MTP with the padded drafter batch only; "
+                f"speculative_config.{name}=True. Remove it, or remove "
+                "attention_config.hisparse_config."
+            )
 
 
 def check_full_isl_reservation(reserve_full_isl: bool) -> None:
@@ -540,9 +563,14 @@ def verify_hisparse_config(vllm_config: "VllmConfig") -> None:
     )
     check_routed_experts(bool(model_config.enable_return_routed_experts))
     speculative_config = vllm_config.speculative_config
-    check_speculative_method(
-        speculative_config.method if speculative_config is not None else None
-    )
+    if speculative_config is None:
+        check_speculative_method(None)
+    else:
+        check_speculative_method(
+            speculative_config.method,
+            disable_padded_drafter_batch=speculative_config.disable_padded_drafter_batch,
+            parallel_drafting=speculative_config.parallel_drafting,
+        )
     q = max_decode_query_len(vllm_config)
     check_device_buffer_size(
         hisparse_config.default_device_buffer_size(index_topk, q),

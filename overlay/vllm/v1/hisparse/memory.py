@@ -132,6 +132,17 @@ def mirror_bytes(num_layers: int, max_tokens: int) -> int:
     return 3 * num_layers * max_tokens * INT64 + 3 * num_layers * INT64
 
 
+def drafter_slot_bytes(layout: HiSparseLayout, max_tokens: int) -> int:
+    """``drafter.DraftBinding``: one int64 [T] slot buffer per group an MTP
+    layer writes with (its pair's resident group, and the indexer group);
+    none without a drafter."""
+    if not layout.draft_layers:
+        return 0
+    pair_of = {name: i for i, pair in enumerate(layout.pairs) for name in pair}
+    groups = {pair_of[name] for name in layout.draft_layers}
+    return (len(groups) + 1) * max_tokens * INT64
+
+
 def block_table_bytes(
     num_groups: int, limits: BatchLimits, max_model_len: int, block_size: int
 ) -> int:
@@ -162,6 +173,8 @@ class HiSparseGpuReserve:
     prefill_staging: int
     mirror: int
     block_tables: int
+    drafter_slots: int = 0
+    """The MTP drafter's slot buffers (docs/mtp.md 3.11); 0 without one."""
 
     @property
     def staging_bytes(self) -> int:
@@ -171,7 +184,13 @@ class HiSparseGpuReserve:
     def worker_state(self) -> int:
         """What the HiSparse worker itself allocates when it binds (the
         runtime, the data plane and the staging cache)."""
-        return self.hot_slot_state + self.workspace + self.prefill_staging + self.mirror
+        return (
+            self.hot_slot_state
+            + self.workspace
+            + self.prefill_staging
+            + self.mirror
+            + self.drafter_slots
+        )
 
     @property
     def total(self) -> int:
@@ -187,7 +206,12 @@ class HiSparseGpuReserve:
             f"workspace {self.workspace / MiB:.1f} MiB, prefill staging cache "
             f"{self.prefill_staging / MiB:.1f} MiB, mirror descriptors "
             f"{self.mirror / MiB:.1f} MiB, block tables of the HiSparse groups "
-            f"{self.block_tables / MiB:.1f} MiB)."
+            f"{self.block_tables / MiB:.1f} MiB"
+            + (
+                f", MTP drafter slots {self.drafter_slots / MiB:.1f} MiB)."
+                if self.drafter_slots
+                else ")."
+            )
         )
 
 
@@ -215,6 +239,7 @@ def hisparse_gpu_reserve(
         prefill_staging=prefill_staging_bytes(max_model_len, b, layout.row_bytes),
         mirror=mirror_bytes(layout.num_sparse_layers, t),
         block_tables=block_table_bytes(extra_groups, limits, max_model_len, b),
+        drafter_slots=drafter_slot_bytes(layout, t),
     )
 
 

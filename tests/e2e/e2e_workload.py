@@ -130,6 +130,26 @@ def _equal_followups(rng: random.Random) -> Scenario:
     return [first, *rounds]
 
 
+CHAT_FIRST_LENGTHS = (4501, 6017, 7633, 9202)
+
+
+def _chat_chain(rng: random.Random) -> Scenario:
+    """Soak run 19's shape (results/e2e/README.md): conversations whose
+    follow-ups extend their parents' outputs (80 decoded tokens a turn,
+    pages written while decoding), first prompts not block-aligned, three
+    rounds of 150-400 new tokens, each after a filler that pushes their
+    pages out, so every follow-up is a long prefix hit over pages its
+    parent decoded, read back under pressure."""
+    convs = [f"h{i}" for i in range(len(CHAT_FIRST_LENGTHS))]
+    calls: Scenario = [[Turn(c, random_ids(rng, n), 80)
+                        for c, n in zip(convs, CHAT_FIRST_LENGTHS)]]
+    for r in range(3):
+        calls.append([Turn(f"g{r}", random_ids(rng, 7000), 16)])
+        calls.append([Turn(c, random_ids(rng, rng.randint(150, 400)), 80)
+                      for c in convs])
+    return calls
+
+
 SCENARIOS = {
     "single6k": _single(6000, 64),
     "single12k": _single(12000, 64),
@@ -139,6 +159,7 @@ SCENARIOS = {
     "long_outputs": _long_outputs,
     "returning": _returning,
     "equal_followups": _equal_followups,
+    "chat_chain": _chat_chain,
     # The negative control's probe: one long request under pressure whose
     # early pages go host-only during its prefill (a fresh prompt, so the
     # fault it gets poisons no other scenario's prefix).

@@ -253,13 +253,14 @@ REFERENCE = {
     **{f"on_{t}": f"off_{t}" for t in MTP_TAGS}, "on_mtp3_audit": "off_mtp3",
 }
 SCENARIO_ORDER = ("single6k", "single12k", "short_topk", "concurrent", "host_prefix",
-                  "equal_followups", "long_outputs", "returning", "fault_probe")
+                  "equal_followups", "chat_chain", "long_outputs", "returning",
+                  "fault_probe")
 # HiSparse engines' scenarios. "returning" may hit F21 (staging capacity) and
 # "fault_probe" poisons the host prefix cache: each comes last where it runs.
 ON_PLAN = {
     "on_c2k": ["single6k", "single12k", "short_topk", "concurrent", "host_prefix",
-               "equal_followups", "fault_probe"],
-    "on_c2k_audit": ["single6k", "concurrent", "host_prefix", "returning"],
+               "equal_followups", "chat_chain", "fault_probe"],
+    "on_c2k_audit": ["single6k", "concurrent", "host_prefix", "chat_chain", "returning"],
     "on_lazy": ["single6k", "concurrent"],
     "on_hostex": ["long_outputs"],
     "on_nopressure": ["single6k", "returning"],
@@ -281,6 +282,7 @@ SCENARIO_IDS = {
     "single6k": "E2E-1", "single12k": "E2E-1", "short_topk": "K9 (prompts <= top-k)",
     "concurrent": "E2E-2", "host_prefix": "E2E-4,E2E-7", "long_outputs": "E2E-9",
     "equal_followups": "K13 (uniform short chunks)", "returning": "F21, 4.13 (many returns)",
+    "chat_chain": "R5 (soak run 19: follow-ups over their parents' decoded pages)",
     "fault_probe": "T1 negative control",
 }
 ENGINE_IDS = {

@@ -113,3 +113,28 @@ def test_sensitivity_twins_replace_only_the_early_part():
 def test_unknown_scenario_names_the_known_ones():
     with pytest.raises(KeyError, match="single6k"):
         wl.scenario("nope")
+
+
+def test_chat_chain_follow_ups_extend_their_parents_decoded_pages():
+    """R5 (soak run 19): every follow-up's prompt is its parent's prompt +
+    its 80 decoded tokens + new tokens, a prefix hit over pages written
+    while decoding; each round comes after a filler, and the conversations
+    together outgrow a pressure pool of the gate (~466 blocks at chunk
+    2048), so their pages are read back from host."""
+    turns = replay("chat_chain", output=lambda t: list(range(100, 100 + t.max_tokens)))
+    history = {}
+    rounds = 0
+    for call, t, p in turns:
+        if t.conv.startswith("h"):
+            if t.conv in history:
+                parent_prompt, parent_out = history[t.conv]
+                assert p[: len(parent_prompt) + len(parent_out)] == parent_prompt + parent_out
+                assert len(parent_out) == 80 and 150 <= len(t.new) <= 400
+                rounds += 1
+            history[t.conv] = (p, list(range(100, 100 + t.max_tokens)))
+    assert rounds == 3 * len(wl.CHAT_FIRST_LENGTHS)
+    assert all(n % B for n in wl.CHAT_FIRST_LENGTHS)  # parents' output pages are partial
+    calls = wl.scenario("chat_chain")
+    assert [c[0].conv for c in calls[1::2]] == ["g0", "g1", "g2"]
+    last = sum(cdiv(len(p) + t.max_tokens, B) for call, t, p in turns if call == len(calls) - 1)
+    assert last > 466

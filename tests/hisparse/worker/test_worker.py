@@ -534,3 +534,31 @@ def test_workspace_overflow_is_an_error():
         rig.rt.decode_rows(rig.layout.sparse_layers[0], 9, topk,
                            torch.zeros(9, dtype=torch.int32),
                            torch.zeros((9, 4), dtype=torch.int32))
+
+
+def test_an_optimistic_length_never_stages_a_lookahead_page():
+    """docs/mtp.md 3.10 (async scheduling with speculation): the runner's
+    ``seq_lens_cpu`` counts unverified drafts, so a short chunk's length
+    may reach a lookahead page the scheduler allocated as resident only
+    (no host block yet). Only null resident pages are staged (K13): the
+    host-only page 0 is, the lookahead page 2 is read at its resident row
+    and never needs a host block."""
+    rig = WorkerRig(staging_blocks=4)
+    rt, layer = rig.rt, rig.layout.sparse_layers[0]
+    rig.place(0, resident=[0, 4, 9], host=[5, 6])
+    fill_pattern(rt.layers[layer].host[5 * B:6 * B], seed=5)
+    fill_slab(rig, seed=6)
+    rig.batch.schedule(computed=[126], scheduled=[4])  # reaches position 129
+    md = attn_metadata(rig.batch, 1, 4)
+    rig.worker.start_step(rig.meta(), md)
+    rt.plan_extends(1)
+    plan = rt.extend_plan
+    assert plan.width == 3 and rt.staging_blocks_peak == 1
+    n = rig.config.num_blocks
+    assert plan.effective[0][0].tolist() == [n, 50 * 0 + 4, 50 * 0 + 9]
+    topk = torch.full((4, 64), -1, dtype=torch.int32)
+    topk[:, :3] = torch.tensor([[3, 80, 128]] * 4, dtype=torch.int32)
+    rows = rt.extend_rows(layer, 4, topk, md.seq_lens)
+    sa = rt.geometry.attention_block_stride
+    assert rows[3, :3].tolist() == [n * sa + 3, 4 * sa + 80 - B, 9 * sa + 128 - 2 * B]
+    rig.worker.finish_forward()

@@ -57,6 +57,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -412,20 +413,25 @@ def new_tally(k: int) -> dict:
 
 def observe(tally: dict, num_draft_tokens: int, num_accepted_tokens: int,
             num_invalid_spec_tokens: dict | None, request_id: str) -> None:
-    """One request-step's drafts, as the pin's make_spec_decoding_stats and
-    SpecDecodingStats.observe_draft count them (v1/core/sched/scheduler.py,
-    v1/spec_decode/metrics.py), whether or not log stats are on."""
-    if not num_draft_tokens:
+    """One request-step's drafts, counted by the pin's own
+    Scheduler.make_spec_decoding_stats with log stats forced on (its
+    invalid-draft rule and SpecDecodingStats.observe_draft), whether or not
+    the engine logs stats."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    k = len(tally["drafted_per_pos"])
+    stats = Scheduler.make_spec_decoding_stats(
+        SimpleNamespace(log_stats=True, num_spec_tokens=k), None,
+        num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
+        num_invalid_spec_tokens=num_invalid_spec_tokens, request_id=request_id)
+    if stats is None:
         return
-    if num_invalid_spec_tokens:
-        num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
-    tally["drafts"] += 1
-    tally["draft_tokens"] += num_draft_tokens
-    tally["accepted_tokens"] += num_accepted_tokens
-    for i in range(num_accepted_tokens):
-        tally["accepted_per_pos"][i] += 1
-    for i in range(num_draft_tokens):
-        tally["drafted_per_pos"][i] += 1
+    tally["drafts"] += stats.num_drafts
+    tally["draft_tokens"] += stats.num_draft_tokens
+    tally["accepted_tokens"] += stats.num_accepted_tokens
+    for name, per_pos in (("drafted_per_pos", stats.num_draft_tokens_per_pos),
+                          ("accepted_per_pos", stats.num_accepted_tokens_per_pos)):
+        tally[name] = [a + b for a, b in zip(tally[name], per_pos)]
 
 
 def instrument_acceptance(sched) -> None:

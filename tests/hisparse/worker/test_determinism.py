@@ -73,9 +73,9 @@ def test_hisparse_forward_mqa_sorts_before_resolving(monkeypatch, flag):
 
     class Runtime:
         geometry = type("G", (), {"max_decode_query_len": 1})()
-        layers = {"l": None}
+        layers = {"l": type("V", (), {"is_draft": False})()}
 
-        def decode_rows(self, name, n, topk, seq_lens, block_table):
+        def decode_rows(self, name, n, topk, seq_lens, block_table, row_req=None):
             seen.append(topk[:n].clone())
             raise StopIteration  # enough: the rows as the resolver got them
 

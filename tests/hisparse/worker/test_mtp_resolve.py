@@ -216,11 +216,11 @@ def sparse_impl(rig, name: str, topk: torch.Tensor, seen: list):
     FP8 FlashMLA decode kernel (CUDA) is replaced by a recorder of the row
     ids the resolver handed it."""
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
-    from vllm.v1.hisparse.binding import layer_binding
+    from vllm.v1.hisparse.index_groups import HiSparseLayerBinding
 
     impl = object.__new__(FlashMLASparseImpl)
     impl.topk_indices_buffer = topk
-    impl.hisparse = layer_binding(rig.rt, rig.worker, None, name)
+    impl.hisparse = HiSparseLayerBinding(rig.rt, rig.worker, None, name)
 
     def kernel(q, kv_c_and_k_pe_cache, topk_indices, kernel_metadata):
         seen.append(topk_indices.reshape(-1, topk_indices.shape[-1]).clone())
@@ -245,7 +245,7 @@ def with_fp8(md, num_decodes: int, num_decode_tokens: int):
 
 def test_draft_binding_resolves_each_pass_with_its_own_rows():
     """INV-1 / INV-36, docs/mtp.md 3.3, through the attention entry point:
-    the MTP layer's binding is a DraftLayerBinding; pass 0 (the target's
+    the MTP layer's views say is_draft; pass 0 (the target's
     split) and pass 1 (one row per request, its own req_id_per_token)
     resolve on the draft group with each pass's rows, every row reading its
     own request's bytes, counted as two passes; a target layer keeps its
@@ -258,10 +258,10 @@ def test_draft_binding_resolves_each_pass_with_its_own_rows():
     topk = verify_topk()
     heads = torch.zeros(2 * Q, 32, 576)
     impl = sparse_impl(rig, target, topk, seen)
-    assert type(impl.hisparse) is index_groups.HiSparseLayerBinding
+    assert not rig.rt.layers[target].is_draft
     index_groups.hisparse_forward_mqa(impl, heads, None, with_fp8(md, 2, 2 * Q), None)
     impl = sparse_impl(rig, DRAFT, topk, seen)
-    assert isinstance(impl.hisparse, index_groups.DraftLayerBinding)
+    assert rig.rt.layers[DRAFT].is_draft
     index_groups.hisparse_forward_mqa(impl, heads, None, md, None)
     assert rig.rt.draft_passes == 1
     row_req, seq_lens, topk1 = pass1_inputs()

@@ -176,7 +176,6 @@ def build_layer_views(
             f"{n} blocks x {layout.bytes_per_block} B"
         )
     offsets = tensor_offsets(config)
-    pair_of = {name: i for i, pair in enumerate(layout.pairs) for name in pair}
     drafts = set(layout.draft_layers)
     views: dict[str, dict[str, Any]] = {}
     for name in layout.sparse_layers:
@@ -202,7 +201,7 @@ def build_layer_views(
             )
         views[name] = dict(
             name=name,
-            pair=pair_of[name],
+            pair=layout.pair_of(name),
             offset=off,
             resident=resident,
             attention=attention_view(slab, layout, n, off),
@@ -283,6 +282,7 @@ def bind_runtime(
     from vllm.v1.hisparse.config_checks import resolve_host_pool_gib
     from vllm.v1.hisparse.drafter import attach_drafter
     from vllm.v1.hisparse.host_pool import acquire_host_pool
+    from vllm.v1.hisparse.index_groups import HiSparseLayerBinding
     from vllm.v1.hisparse.staging import StagingCache
     from vllm.v1.hisparse.worker import HiSparseWorker
 
@@ -326,7 +326,9 @@ def bind_runtime(
     )
     context = runner.vllm_config.compilation_config.static_forward_context
     for name in layout.sparse_layers:
-        context[name].impl.hisparse = layer_binding(runtime, worker, staging, name)
+        context[name].impl.hisparse = HiSparseLayerBinding(
+            runtime, worker, staging, name
+        )
     if not has_kv_transfer_group():
         raise RuntimeError("HiSparse: no KV connector is installed in this worker")
     hisparse_connector(get_kv_transfer_group()).attach_worker(worker)
@@ -353,18 +355,6 @@ def bind_runtime(
         held / MiB,
     )
     return runtime
-
-
-def layer_binding(
-    runtime: HiSparseRuntime, worker: Any, staging: Any, name: str
-) -> Any:
-    """What a sparse layer's impl runs through HiSparse with; a draft (MTP)
-    layer's binding resolves each draft pass with the pass's rows."""
-    from vllm.v1.hisparse.index_groups import DraftLayerBinding, HiSparseLayerBinding
-
-    draft = runtime.layers[name].is_draft
-    cls = DraftLayerBinding if draft else HiSparseLayerBinding
-    return cls(runtime, worker, staging, name)
 
 
 def check_attention_impls(runner: "GPUModelRunner", layout: HiSparseLayout) -> None:
@@ -455,7 +445,6 @@ __all__ = [
     "RunnerBatchState",
     "apply_residency_updates",
     "bind_runtime",
-    "layer_binding",
     "make_runtime",
     "retarget_slot_mappings",
     "step_metadata",

@@ -30,7 +30,6 @@ import torch
 
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.layout import HiSparseLayout
-from vllm.v1.hisparse.specs import resident_layer_name
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -74,13 +73,8 @@ def draft_write_groups(layout: HiSparseLayout, groups: Mapping[str, int]) -> dic
     """Draft layer -> the group whose slots it writes KV with: a sparse-MLA
     layer its pair's resident group (INV-12: KV lands in resident pages,
     never at host rows), an indexer the indexer group."""
-    resident_gid = {
-        name: gid
-        for gid in layout.resident_group_ids
-        for name in layout.kv_cache_groups[gid].layer_names
-    }
     return {
-        name: resident_gid[resident_layer_name(name)]
+        name: layout.resident_group_ids[layout.pair_of(name)]
         if gid == layout.SOURCE_GROUP_ID
         else gid
         for name, gid in groups.items()

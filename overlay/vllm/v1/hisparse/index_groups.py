@@ -48,11 +48,6 @@ class HiSparseLayerBinding:
     layer_name: str
 
 
-class DraftLayerBinding(HiSparseLayerBinding):
-    """A drafter (MTP) layer's binding: each call is one draft pass, whose
-    decode rows come from the pass's own metadata (docs/mtp.md 3.3)."""
-
-
 def hisparse_forward_mqa(
     impl: Any,
     q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -83,10 +78,13 @@ def hisparse_forward_mqa(
     num_prefill_tokens = num_tokens - num_decode_tokens
     rt = binding.runtime
     views = rt.layers[binding.layer_name]
-    draft = isinstance(binding, DraftLayerBinding)
-    if draft:
-        # The fields the worker planned the step with (start_step).
+    # A drafter (MTP) layer: each call is one draft pass, resolved with the
+    # pass's own rows (passes >= 1: one per request); the drafter runs eager
+    # or piecewise, never in a FULL graph (docs/mtp.md 3.3, 3.9).
+    row_req = None
+    if views.is_draft:
         rt.begin_draft_pass(attn_metadata.num_decodes, attn_metadata.num_decode_tokens)
+        row_req = attn_metadata.req_id_per_token
 
     decoded = None
     if num_decode_tokens > 0:
@@ -96,20 +94,14 @@ def hisparse_forward_mqa(
                 binding.layer_name, num_decode_tokens, topk, attn_metadata.seq_lens
             )
         else:
-            args = (
+            rows, _ = rt.decode_rows(
                 binding.layer_name,
                 num_decode_tokens,
                 topk,
                 attn_metadata.seq_lens,
                 attn_metadata.block_table,
+                row_req=row_req,
             )
-            if draft:
-                # The pass's own rows (passes >= 1: one per request); the
-                # drafter runs eager or piecewise, never in a FULL graph
-                # (docs/mtp.md 3.3, 3.9).
-                rows, _ = rt.decode_rows(*args, row_req=attn_metadata.req_id_per_token)
-            else:
-                rows, _ = rt.decode_rows(*args)
         decoded = _decode(impl, q[:num_decode_tokens], rows, fp8, views.attention)
         if num_prefill_tokens == 0:
             return decoded, None
@@ -223,4 +215,4 @@ def _stage_rows(
         )
 
 
-__all__ = ["DraftLayerBinding", "HiSparseLayerBinding", "hisparse_forward_mqa"]
+__all__ = ["HiSparseLayerBinding", "hisparse_forward_mqa"]

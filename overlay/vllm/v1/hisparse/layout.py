@@ -466,6 +466,20 @@ class HiSparseLayout:
     def device_group_ids(self) -> range:
         return range(1, len(self.kv_cache_groups))
 
+    def pair_of(self, layer_name: str) -> int:
+        """The resident/hot pair holding a sparse layer."""
+        return next(i for i, pair in enumerate(self.pairs) if layer_name in pair)
+
+    @property
+    def draft_write_group_ids(self) -> tuple[int, ...]:
+        """The groups an MTP drafter writes KV with: each draft layer's
+        resident group, then the indexer group; () without a drafter
+        (docs/mtp.md 3.4)."""
+        if not self.draft_layers:
+            return ()
+        resident = {self.resident_group_ids[self.pair_of(n)] for n in self.draft_layers}
+        return (*sorted(resident), self.INDEXER_GROUP_ID)
+
     @property
     def indexer_page_bytes(self) -> int:
         return self.group_page_bytes[self.INDEXER_GROUP_ID]

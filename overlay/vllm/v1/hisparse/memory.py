@@ -134,13 +134,8 @@ def mirror_bytes(num_layers: int, max_tokens: int) -> int:
 
 def drafter_slot_bytes(layout: HiSparseLayout, max_tokens: int) -> int:
     """``drafter.DraftBinding``: one int64 [T] slot buffer per group an MTP
-    layer writes with (its pair's resident group, and the indexer group);
-    none without a drafter."""
-    if not layout.draft_layers:
-        return 0
-    pair_of = {name: i for i, pair in enumerate(layout.pairs) for name in pair}
-    groups = {pair_of[name] for name in layout.draft_layers}
-    return (len(groups) + 1) * max_tokens * INT64
+    layer writes with (``layout.draft_write_group_ids``)."""
+    return len(layout.draft_write_group_ids) * max_tokens * INT64
 
 
 def block_table_bytes(

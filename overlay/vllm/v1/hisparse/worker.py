@@ -409,7 +409,14 @@ class HiSparseWorker:
         """
         streams, rt = self.streams, self.runtime
         if self._step is not None and self._step.has_forward:
-            raise RuntimeError("HiSparse: a step started before the previous finished")
+            # Under async scheduling the engine issues this step before it
+            # reads the previous step's sampling: an exception raised there
+            # (the drafter included) stays in its future and this is the
+            # first error seen.
+            raise RuntimeError(
+                "HiSparse: a step started before the previous finished (did the "
+                "previous step's sampling or drafting raise?)"
+            )
         self._retire(meta.retired_transfer_ids)
         self.host_write.rotate(meta.step)
         if self._debug and self.writer:

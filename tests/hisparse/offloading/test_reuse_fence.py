@@ -1,18 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""F16 on the offloader's worker side (docs/worker.md K10): a CPU -> GPU load
-into a GPU block that was an unpinned page until this step waits for the
-compute stream; other loads do not. The load jobs are the pin's own
+"""F16 on the offloader's worker side (docs/worker.md K10): a step that starts
+CPU -> GPU loads waits for the compute stream before submitting them, since
+their blocks may have been freed after the step in flight was scheduled
+(a finished request's last block it still writes, an unpinned page it still
+reads); a step without loads does not wait. The load jobs are the pin's own
 ``OffloadingConnectorMetadata`` / ``TransferJob`` / load-store specs."""
 
 from types import SimpleNamespace
 
-import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse import offloading
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
 )
-from vllm.v1.hisparse import worker as hs_worker
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
@@ -30,20 +30,30 @@ def _connector(dst_blocks: list[list[int]]):
     return SimpleNamespace(_connector_metadata=meta)
 
 
-def test_loads_into_reused_blocks_wait_for_compute(monkeypatch):
+def test_a_step_with_loads_waits_for_compute_first(monkeypatch):
+    """Run 20's chat_chain: a follow-up's load landed in the block of a
+    filler that had just finished while the step writing its last token was
+    still in flight; one indexer row per turn was stale."""
     waits = []
     monkeypatch.setattr(offloading, "_synchronize_compute", lambda: waits.append(1))
-    fence = offloading.HiSparseOffloadingConnector._fence_loads_into_reused_blocks
-    # The process's HiSparse worker started a step that reused blocks 7, 42.
-    monkeypatch.setattr(
-        hs_worker, "_current", SimpleNamespace(reused_block_ids=np.array([7, 42]))
-    )
+    fence = offloading.HiSparseOffloadingConnector._fence_loads
     fence(_connector([[3, 4], [5]]))
-    assert waits == []  # no load lands in a reused block
-    fence(_connector([[3, 42]]))
     assert waits == [1]
-    monkeypatch.setattr(hs_worker, "_current", None)
-    fence(_connector([[7]]))  # no HiSparse worker step: nothing reused
+    fence(_connector([]))  # stores only, or nothing: no wait
     assert waits == [1]
-    fence(_connector([]))
+    fence(SimpleNamespace(_connector_metadata=None))
     assert waits == [1]
+
+
+def test_the_wait_comes_before_the_pin_submits_the_loads(monkeypatch):
+    order = []
+    monkeypatch.setattr(offloading, "_synchronize_compute", lambda: order.append("sync"))
+    monkeypatch.setattr(
+        offloading.OffloadingConnector, "start_load_kv",
+        lambda self, ctx, **kw: order.append("submit"),
+    )
+    cls = offloading.HiSparseOffloadingConnector
+    conn = cls.__new__(cls)  # the worker-side call path only
+    conn._connector_metadata = _connector([[9]])._connector_metadata
+    conn.start_load_kv(None)
+    assert order == ["sync", "submit"]

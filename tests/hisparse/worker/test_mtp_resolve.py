@@ -203,8 +203,10 @@ def test_pass0_must_split_the_batch_as_the_target_did():
     rt.begin_draft_pass(7, 7)  # no step active
     rig.batch.schedule(computed=[104, 94], scheduled=[Q, Q])
     rig.worker.start_step(rig.meta(), attn_metadata(rig.batch, 1, Q))
-    with pytest.raises(RuntimeError, match=r"drafter's first pass .* \(2, 8\)"):
-        rt.begin_draft_pass(2, 2 * Q)
+    with pytest.raises(RuntimeError, match=r"drafter's first pass .* \(2, 8\)") as err:
+        rt.begin_draft_pass(2, 2 * Q, torch.tensor([0, Q, 2 * Q]))
+    # What the GPU run needs to find the cause (e2e run 22, MTP 1).
+    assert f"query lengths are [{Q}, {Q}]" in str(err.value)
     rig.worker.finish_forward()
 
 

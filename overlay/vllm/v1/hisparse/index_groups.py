@@ -83,7 +83,11 @@ def hisparse_forward_mqa(
     # or piecewise, never in a FULL graph (docs/mtp.md 3.3, 3.9).
     row_req = None
     if views.is_draft:
-        rt.begin_draft_pass(attn_metadata.num_decodes, attn_metadata.num_decode_tokens)
+        rt.begin_draft_pass(
+            attn_metadata.num_decodes,
+            attn_metadata.num_decode_tokens,
+            attn_metadata.query_start_loc,
+        )
         row_req = attn_metadata.req_id_per_token
 
     decoded = None

@@ -565,7 +565,9 @@ class HiSparseRuntime:
         rows = block * g.attention_block_stride + pos % b
         return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
 
-    def begin_draft_pass(self, num_decodes: int, num_decode_tokens: int) -> None:
+    def begin_draft_pass(
+        self, num_decodes: int, num_decode_tokens: int, query_start_loc: Any = None
+    ) -> None:
         """A draft layer's attention call (one per draft pass; host ints, no
         sync). Pass 0 of the padded drafter batch runs the target's tokens
         and must split them as the target did: the step's staging and extend
@@ -578,7 +580,9 @@ class HiSparseRuntime:
                 "HiSparse: the drafter's first pass splits the batch into "
                 f"(num_decodes, num_decode_tokens) = {split}, the target forward "
                 f"into {self.decode_split}; the step's staging and mirror plans "
-                "need the target's split (docs/mtp.md 3.3)"
+                "need the target's split (docs/mtp.md 3.3). The step has "
+                f"{self.num_reqs} requests and {self.num_tokens} tokens; the draft "
+                f"pass's query lengths are {_query_lens(query_start_loc)}"
             )
         self.draft_passes += 1
 
@@ -749,6 +753,15 @@ def build_index_groups(
             )
         )
     return groups
+
+
+
+def _query_lens(query_start_loc: Any) -> list[int] | None:
+    """Query lengths for an error message (an error path: a host copy)."""
+    if query_start_loc is None:
+        return None
+    loc = query_start_loc.tolist()
+    return [b - a for a, b in zip(loc, loc[1:])]
 
 
 __all__ = [

@@ -27,8 +27,9 @@ Two HiSparse rules are added on top:
   every page below the start has a host copy and an indexer block (INV-31);
   the source and resident managers then take the cached host blocks and null
   resident entries for those pages;
-- a load into a GPU block that was an unpinned resident page until this
-  step waits for the compute stream (F16);
+- a step that starts offloader loads waits for the compute stream, since
+  their GPU blocks may have been freed after the step in flight was
+  scheduled (F16);
 - GPU blocks newly leased to resident or hot groups are reported to the
   offloader as reallocated, so a deferred store of a freed indexer block
   that the pool has just handed to a resident/hot lease is flushed before
@@ -40,7 +41,6 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -341,28 +341,22 @@ class HiSparseOffloadingConnector(OffloadingConnector):
     # ------------------------------------------------------- worker side
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._fence_loads_into_reused_blocks()
+        self._fence_loads()
         super().start_load_kv(forward_context, **kwargs)
 
-    def _fence_loads_into_reused_blocks(self) -> None:
-        """F16: the pin's CPU -> GPU loads do not wait on the compute stream.
-        A load into a GPU block that was an unpinned resident page until this
-        step (the scheduler lists them, HiSparse's worker runs first) could
-        overwrite it while the step in flight still reads it, so such a load
-        waits for the compute stream. A deliberate host sync, and a rare one:
-        only a load landing in a block reused from an unpinned page."""
-        from vllm.v1.hisparse.worker import reused_blocks_this_step
-
+    def _fence_loads(self) -> None:
+        """F16: the pin's CPU -> GPU loads do not wait on the compute stream,
+        and a load's destination blocks may have been freed after the step
+        still in flight was scheduled: a finished request's last block, which
+        that step still writes (async scheduling runs a finished request's
+        last placeholder token), a preempted request's blocks, or an unpinned
+        resident page it still reads. A load copied before that step ran is
+        clobbered (e2e run 20: one stale indexer row per conversation turn).
+        So a step that starts loads first waits for the compute stream: a
+        deliberate host sync, once per step that admits an offloaded hit,
+        not per token or per layer."""
         meta = self._connector_metadata
-        if meta is None or not getattr(meta, "load_jobs", None):
-            return
-        reused = reused_blocks_this_step()
-        if reused.size == 0:
-            return
-        destinations = np.concatenate(
-            [np.asarray(job.dst_spec.block_ids) for job in meta.load_jobs.values()]
-        )
-        if np.intersect1d(destinations, reused).size:
+        if meta is not None and getattr(meta, "load_jobs", None):
             _synchronize_compute()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -374,8 +368,10 @@ class HiSparseOffloadingConnector(OffloadingConnector):
 
 
 def _synchronize_compute() -> None:
-    """Wait for every step enqueued on the compute stream (F16)."""
-    torch.cuda.current_stream().synchronize()
+    """Wait for every step enqueued on the compute stream (F16). Without a
+    CUDA device (the CPU simulation) nothing runs asynchronously."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
 
 
 __all__ = [

@@ -250,7 +250,8 @@ REPLAYS = {
 """Replay engine -> the off engine whose configuration it has; it replays
 every HiSparse engine of that reference that ran before it."""
 REFERENCE = {
-    "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_nooff": "off_c2k", "on_lazy": "off_c2k",
+    "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_nooff": "off_c2k",
+    "on_lazy": "off_c2k",
     "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
     "on_tp2": "off_tp2", "on_dsv32": "off_dsv32", "on_h16": "off_h16", "on_h8": "off_h8",
@@ -291,7 +292,8 @@ SCENARIO_IDS = {
     "fault_probe": "T1 negative control",
 }
 ENGINE_IDS = {
-    "on_c2k_audit": "F1 (mirror audit)", "on_nooff": "without the offloader", "on_lazy": "E2E-6", "on_nopressure": "E2E-8",
+    "on_c2k_audit": "F1 (mirror audit)", "on_nooff": "without the offloader",
+    "on_lazy": "E2E-6", "on_nopressure": "E2E-8",
     "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
     "on_share": "IndexShare", "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
     "on_h16": "16 heads per rank", "on_h8": "8 heads per rank",

@@ -29,7 +29,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from tests.hisparse.scheduler.harness import B, ProtocolError, RowTags, SimWorker
+from tests.hisparse.scheduler.harness import (
+    B,
+    ProtocolError,
+    RowTags,
+    SimWorker,
+    sampled_token,
+)
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.offloading import (
@@ -371,11 +377,15 @@ class SimOffloadWorker:
 
     # ------------------------------------------------------ byte model
 
-    def _tags(self, req_id: str) -> np.ndarray:
+    def _tags(self, req_id: str, upto: int = 0) -> np.ndarray:
+        """Row tags of ``req_id`` through position ``upto`` at least: under
+        async scheduling a forward runs a token the scheduler does not know
+        yet, which the worker sampled (``sampled_token``)."""
         request = self.scheduler.requests.get(req_id) or self.sim.requests_seen[req_id]
-        return self._row_tags.setdefault(req_id, RowTags()).extend_to(
-            request.all_token_ids
-        )
+        tokens = request.all_token_ids
+        if len(tokens) < upto:
+            tokens = list(tokens) + [sampled_token(p) for p in range(len(tokens), upto)]
+        return self._row_tags.setdefault(req_id, RowTags()).extend_to(tokens)
 
     def _rows(self, gid: int, block: int, layer: int) -> np.ndarray:
         off, row = self._footprints[gid][layer]
@@ -411,7 +421,7 @@ class SimOffloadWorker:
             table, c, tags = (
                 self.sim.tables[req_id],
                 computed[req_id],
-                self._tags(req_id),
+                self._tags(req_id, computed[req_id] + n),
             )
             for page in range(c // B, (c + n - 1) // B + 1):
                 lo, hi = max(c, page * B), min(c + n, (page + 1) * B)
@@ -433,7 +443,7 @@ class SimOffloadWorker:
             self._read_indexer(req_id, computed[req_id] + n)
 
     def _read_indexer(self, req_id: str, context: int) -> None:
-        table, tags = self.sim.tables[req_id][self.idx_gid], self._tags(req_id)
+        table, tags = self.sim.tables[req_id][self.idx_gid], self._tags(req_id, context)
         for page in range((context - 1) // B + 1):
             lo, hi = page * B, min(context, (page + 1) * B)
             if not self._indexer_page_ok(table[page], tags[lo:hi]):
@@ -447,7 +457,7 @@ class SimOffloadWorker:
         """Before a store's copy: its sources hold the request's indexer
         pages. After a load's copy: its targets do."""
         req_id, pages = self._jobs[copy_.job_id]
-        tags = self._tags(req_id)
+        tags = self._tags(req_id, (max((p for _, p in pages), default=-1) + 1) * B)
         for block, page in pages:
             if not self._indexer_page_ok(block, tags[page * B : (page + 1) * B]):
                 what = "stores" if copy_.to_cpu else "loaded"

@@ -22,6 +22,11 @@ tokens, and each assistant message's length is that turn's max_tokens
 EOS (the tool's requests cannot ask for ignore_eos), so every turn
 generates exactly its max_tokens, as ``vllm bench serve --ignore-eos``
 would.
+
+The server also bounds a prompt in characters before tokenizing it (see
+SERVER_CHARS_PER_TOKEN), and our words are wider than that bound's 5
+characters a token: ``conversation`` trims a first turn until every request
+of its conversation passes both bounds, at worst, with MARGIN_TOKENS to spare.
 """
 
 from __future__ import annotations
@@ -43,6 +48,19 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor
 SERVED_NAME = "tiny"
 GIB = 1 << 30
 MIB = 1 << 20
+# The server's character rule (vllm/renderers/params.py _text_len_check):
+# a chat prompt of more than max_chars_per_token x (max_model_len - max_tokens)
+# characters gets HTTP 400 before it is tokenized; max_chars_per_token is the
+# longest vocabulary entry (vllm/tokenizers/hf.py): "w8191", "<unk>", "<eos>".
+WIDEST = f"w{VOCAB - 1}"
+SERVER_CHARS_PER_TOKEN = len(WIDEST)
+# A token's widest in the prompt text: its characters and a separator (the
+# template's space after a message, the decoder's between tokens); ours
+# average ~5.87, so a prompt that fits in tokens can fail in characters.
+TOKEN_CHARS_MAX = SERVER_CHARS_PER_TOKEN + 1
+# Room left below both of the server's limits: the history's answers are the
+# server's own outputs (the tool sends them back), bounded here, not known.
+MARGIN_TOKENS = 128
 # Plain vLLM's KV bytes per token of the 4-layer tiny model (fp8_ds_mla,
 # one uniform group: 2 GiB hold ~680K tokens in the e2e engines).
 PLAIN_BYTES_PER_TOKEN = 3158
@@ -84,7 +102,8 @@ class Shape:
 
     def max_context(self) -> int:
         """The longest a conversation's last request can get (prompt +
-        output), every length at its upper bound."""
+        output) in tokens, every length at its upper bound (before
+        ``conversation`` trims the first turn to the character rule)."""
         f, later, out = self.bounds(self.first)[1], self.bounds(self.later)[1], \
             self.bounds(self.output)[1]
         return f + (self.turns - 1) * later + self.turns * out
@@ -121,13 +140,83 @@ def fit_check(s: Shape, max_model_len: int) -> None:
             f"a conversation can reach {s.max_context()} tokens (first turn {s.first}, "
             f"{s.turns - 1} turns of {s.later}, outputs {s.output}, +-{s.jitter:.0%}) > "
             f"max_model_len {max_model_len}: lower --scale or raise --max-model-len")
+    # conversation() trims a first turn down to its lower bound at most: the
+    # longest conversation so trimmed, every token at its widest, must pass
+    lo, later, out = s.bounds(s.first)[0], s.bounds(s.later)[1], s.bounds(s.output)[1]
+    msgs = []
+    for t in range(s.turns):
+        msgs += [{"role": "user", "content": _widest(lo if t == 0 else later)},
+                 {"role": "assistant", "content": _widest(out)}]
+    chars, tokens = overflow({"messages": msgs}, max_model_len)
+    if chars > 0 or tokens > 0:
+        raise ValueError(
+            f"the last request of a conversation (first turn {lo} tokens, {s.turns - 1} turns "
+            f"of {later}, outputs {out}) can exceed what the server takes at max_model_len "
+            f"{max_model_len} by {chars} characters ({SERVER_CHARS_PER_TOKEN} a token, "
+            f"{MARGIN_TOKENS} tokens spare): lower --scale or --turns, or raise "
+            f"--max-model-len")
+
+
+def _widest(n: int) -> str:
+    return " ".join([WIDEST] * n)
+
+
+def request_limits(max_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """The longest prompt (characters, tokens) we send with ``max_tokens``:
+    the server's two bounds less MARGIN_TOKENS."""
+    room = max_model_len - MARGIN_TOKENS - max_tokens
+    return SERVER_CHARS_PER_TOKEN * room, room
+
+
+def request_sizes(conv: Mapping) -> list[tuple[int, int, int]]:
+    """Each turn's request as the server can see it at worst: (prompt
+    characters, prompt tokens, max_tokens). The template renders a message
+    as its content and a space; an earlier answer is the server's own
+    output of its max_tokens, a leading space and each token at its widest."""
+    out, chars, tokens = [], 0, 0
+    msgs = conv["messages"]
+    for user, answer in zip(msgs[::2], msgs[1::2]):
+        n = len(answer["content"].split())
+        chars += len(user["content"]) + 1
+        tokens += len(user["content"].split())
+        out.append((chars, tokens, n))
+        chars += TOKEN_CHARS_MAX * n + 1
+        tokens += n
+    return out
+
+
+def overflow(conv: Mapping, max_model_len: int) -> tuple[int, int]:
+    """By how many (characters, tokens) the conversation's worst request
+    exceeds request_limits; <= 0: every request fits."""
+    over = [(c - lc, t - lt) for c, t, m in request_sizes(conv)
+            for lc, lt in [request_limits(m, max_model_len)]]
+    return max(c for c, _ in over), max(t for _, t in over)
+
+
+def trim(conv: dict, max_model_len: int) -> int:
+    """Drops words off the end of the first turn (the agent's big context)
+    until every request fits, so the conversation keeps all its turns and
+    the rest of its text; returns the tokens dropped."""
+    chars, tokens = overflow(conv, max_model_len)
+    words = conv["messages"][0]["content"].split()
+    freed = dropped = 0
+    while freed < chars or dropped < tokens:
+        if len(words) < 2:
+            raise ValueError(f"{conv['id']}: no first turn is short enough for "
+                             f"max_model_len {max_model_len} (fit_check first)")
+        freed += len(words.pop()) + 1  # the word and the space before it
+        dropped += 1
+    conv["messages"][0]["content"] = " ".join(words)
+    return dropped
 
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(n))
 
 
-def conversation(s: Shape, seed: str, conv_id: str) -> dict:
+def conversation(s: Shape, seed: str, conv_id: str, max_model_len: int | None) -> dict:
+    """One conversation; with ``max_model_len``, trimmed to fit it (None:
+    as drawn, whatever its length)."""
     rng = random.Random(seed)
     messages = []
     for t in range(s.turns):
@@ -135,15 +224,37 @@ def conversation(s: Shape, seed: str, conv_id: str) -> dict:
         messages.append({"role": "user", "content": _words(rng, rng.randint(lo, hi))})
         lo, hi = s.bounds(s.output)
         messages.append({"role": "assistant", "content": _words(rng, rng.randint(lo, hi))})
-    return {"id": conv_id, "messages": messages}
+    conv = {"id": conv_id, "messages": messages}
+    if max_model_len is not None:
+        trim(conv, max_model_len)
+    return conv
 
 
-def conversations(s: Shape, n: int, seed: int, level: int) -> list[dict]:
+def conversations(s: Shape, n: int, seed: int, level: int,
+                  max_model_len: int | None) -> list[dict]:
     """``n`` conversations, the same for every arm at this level (seeded by
     the run's seed, the level and the index); no two share a prefix."""
     if n < 1:
         raise ValueError("no conversation to generate")
-    return [conversation(s, f"agentic-{seed}-{level}-{i}", f"c{level}_{i}") for i in range(n)]
+    return [conversation(s, f"agentic-{seed}-{level}-{i}", f"c{level}_{i}", max_model_len)
+            for i in range(n)]
+
+
+def fit_summary(s: Shape, convs: Sequence[Mapping], seed: int, level: int,
+                max_model_len: int) -> dict:
+    """How a level's conversations fit the server: the first turns trimmed
+    (against the same conversations as drawn) and the request nearest its
+    character limit, at worst."""
+    firsts = [token_lengths(c)[0][1] for c in convs]
+    drawn = [token_lengths(c)[0][1] for c in conversations(s, len(convs), seed, level, None)]
+    chars, _, m = max((r for c in convs for r in request_sizes(c)),
+                      key=lambda r: r[0] - request_limits(r[2], max_model_len)[0])
+    return {"trimmed_conversations": sum(a != b for a, b in zip(drawn, firsts)),
+            "trimmed_tokens": sum(drawn) - sum(firsts),
+            "first_turn_tokens": [min(firsts), max(firsts)],
+            "tightest_request": {"prompt_chars_at_worst": chars, "max_tokens": m,
+                                 "server_limit_chars": SERVER_CHARS_PER_TOKEN * (
+                                     max_model_len - m)}}
 
 
 def token_lengths(conv: Mapping) -> list[tuple[str, int]]:
@@ -215,6 +326,14 @@ class AgenticConfig:
 
     def conversations_at(self, c: int) -> int:
         return c * self.conversations_per_client * self.rounds
+
+    def workload(self, c: int) -> list[dict]:
+        """Level ``c``'s conversations, trimmed to fit max_model_len."""
+        return conversations(self.shape(), self.conversations_at(c), self.seed, c,
+                             self.max_model_len)
+
+    def fit_summary(self, c: int, convs: Sequence[Mapping]) -> dict:
+        return fit_summary(self.shape(), convs, self.seed, c, self.max_model_len)
 
     def port(self, arm: str) -> int:
         return self.port_base + list(ARMS).index(arm)
@@ -476,6 +595,8 @@ def build_report(*, cfg: AgenticConfig | None, command: str | None, arms: dict,
         "workload": {"trace": asdict(Trace()), "shape": asdict(s) if s else None,
                      "max_context": s.max_context() if s else None,
                      "mean_request_tokens": round(s.mean_context()) if s else None,
+                     "server_chars_per_token": SERVER_CHARS_PER_TOKEN,
+                     "margin_tokens": MARGIN_TOKENS,
                      "pressure_hint": pressure_hint(cfg) if cfg else None},
         "arm_docs": {a: ARMS[a]["doc"] for a in ARMS},
         "runs": runs,

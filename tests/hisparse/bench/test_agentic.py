@@ -45,9 +45,16 @@ def test_max_context_is_every_length_at_its_upper_bound():
     s = agentic.Shape(turns=3, first=100, later=10, output=5, jitter=0.2)
     assert s.bounds(100) == (80, 120)
     assert s.max_context() == 120 + 2 * 12 + 3 * 6
-    agentic.fit_check(s, 162)
     with pytest.raises(ValueError, match="lower --scale"):
         agentic.fit_check(s, 161)
+    # and in characters, the first turn trimmed to its lower bound: the last
+    # prompt is 80 + 2 * 12 words of 6 characters (5 and a space) and two
+    # answers of 6 * 6 + 1, sent with max_tokens 6, MARGIN_TOKENS spare
+    worst = 6 * (80 + 2 * 12) + 2 * (6 * 6 + 1)
+    fits = -(-worst // agentic.SERVER_CHARS_PER_TOKEN) + 6 + agentic.MARGIN_TOKENS
+    agentic.fit_check(s, fits)
+    with pytest.raises(ValueError, match="characters"):
+        agentic.fit_check(s, fits - 1)
     # mean request: turn t's prompt is all earlier turns + outputs, plus its output
     s0 = agentic.Shape(turns=2, first=100, later=10, output=5, jitter=0.0)
     assert s0.mean_context() == ((100 + 5) + (100 + 5 + 10 + 5)) / 2
@@ -55,7 +62,7 @@ def test_max_context_is_every_length_at_its_upper_bound():
 
 def test_conversations_are_token_exact_alternating_and_within_bounds():
     s = agentic.shape(agentic.Trace(), 0.05, jitter=0.2)
-    convs = agentic.conversations(s, 6, seed=0, level=8)
+    convs = agentic.conversations(s, 6, seed=0, level=8, max_model_len=16384)
     assert len(convs) == 6 and len({c["id"] for c in convs}) == 6
     for c in convs:
         roles = [r for r, _ in agentic.token_lengths(c)]
@@ -76,14 +83,14 @@ def test_conversations_are_token_exact_alternating_and_within_bounds():
 
 def test_conversations_are_the_same_for_every_arm_and_differ_per_level():
     s = agentic.shape(agentic.Trace(), 0.02)
-    assert agentic.conversations(s, 3, 0, 4) == agentic.conversations(s, 3, 0, 4)
-    assert agentic.conversations(s, 3, 0, 4) != agentic.conversations(s, 3, 0, 8)
-    assert agentic.conversations(s, 3, 0, 4) != agentic.conversations(s, 3, 1, 4)
+    assert agentic.conversations(s, 3, 0, 4, 16384) == agentic.conversations(s, 3, 0, 4, 16384)
+    assert agentic.conversations(s, 3, 0, 4, 16384) != agentic.conversations(s, 3, 0, 8, 16384)
+    assert agentic.conversations(s, 3, 0, 4, 16384) != agentic.conversations(s, 3, 1, 4, 16384)
 
 
 def test_jitter_averages_out_to_the_target():
     s = agentic.shape(agentic.Trace(), 0.05, jitter=0.2)
-    convs = agentic.conversations(s, 40, 0, 1)
+    convs = agentic.conversations(s, 40, 0, 1, 16384)
     outs = [n for c in convs for r, n in agentic.token_lengths(c) if r == "assistant"]
     assert abs(sum(outs) / len(outs) - 220) < 5
 
@@ -260,7 +267,7 @@ def test_tool_reads_our_conversation_list():
         import bench_dataset
     finally:
         sys.path.remove(str(TOOL_DIR))
-    convs = agentic.conversations(agentic.shape(agentic.Trace(), 0.01), 4, 0, 4)
+    convs = agentic.conversations(agentic.shape(agentic.Trace(), 0.01), 4, 0, 4, 16384)
     d = bench_dataset.conversations_list_to_dict(json.loads(json.dumps(convs)))
     assert len(d) == 4 and all(len(m) == 26 for m in d.values())
 

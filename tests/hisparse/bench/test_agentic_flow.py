@@ -86,6 +86,7 @@ def test_all_arms_every_level(agentic_cmd, tmp_path):
         assert lv["client_vs_server_tokens"] == 1.0
         assert lv["reset"]["reset"] is True and lv["series"]
         assert "--num-clients" in lv["tool_command"]
+        assert lv["workload_fit"]["trimmed_conversations"] == 0  # short ones: nothing to trim
     by = {(lv["arm"], lv["concurrency"]): lv for lv in rep["levels"]}
     assert by[("plain", 3)]["server"]["preemptions"] > 0
     assert by[("offload", 3)]["server"]["preemptions"] == 0
@@ -171,6 +172,7 @@ def test_dry_run_and_write_workload(bench_agentic, capsys, tmp_path, monkeypatch
     assert bench_agentic.main(["--dry-run", "--arms", "plain,hisparse,upstream"]) == 0
     out = capsys.readouterr().out
     assert "hisparse_config" in out and "HiSparseConnector" in out and "estimate" in out
+    assert "c=16: " in out and "first turns trimmed" in out  # the default levels' fit
     assert bench_agentic.main(["--write-workload", str(tmp_path / "w"),
                                "--concurrency", "4,8"]) == 0
     convs = json.loads((tmp_path / "w" / "conversations_c8.json").read_text())

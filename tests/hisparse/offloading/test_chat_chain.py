@@ -33,6 +33,14 @@ class ChatChain:
             AsyncDriver(self.r.scheduler, self.r.worker) if async_scheduling else None
         )
         self.loads_per_round: list[int] = []
+        self.preemptions = 0
+        preempt = self.r.scheduler._preempt_request
+
+        def counted(*args, **kwargs):
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        self.r.scheduler._preempt_request = counted
         self.host_prefix_pages: list[list[int]] = []
 
     def _busy(self) -> bool:
@@ -88,20 +96,21 @@ def test_follow_ups_load_their_parents_decoded_pages_exactly(rig, async_scheduli
     r.finish()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "open (docs/worker.md K33): under pressure a follow-up whose offloaded "
-    "load finished waits at the head of the queue for blocks that the "
-    "reservations of the loads behind it hold, and those loads are never "
-    "promoted (FCFS stops at the head): no request runs again (F20 class)"))
-def test_follow_ups_returning_together_under_pressure_all_finish(rig):
-    """R4 / F20: any request the startup check admits finishes."""
-    chain = ChatChain(rig, num_gpu_blocks=240, async_scheduling=True)
-    try:
-        chain.play()
-    except AssertionError as err:
-        stuck = err
-    else:
-        return  # fixed: strict xfail reports XPASS; drop the marker
-    if chain.loads_per_round != [4] or "h0.2" not in str(stuck):
-        raise RuntimeError(f"not the known deadlock: {stuck}")  # fails the test
-    raise stuck
+@pytest.mark.parametrize("num_gpu_blocks", [200, 240, 300])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_follow_ups_returning_together_under_pressure_all_finish(
+    rig, num_gpu_blocks, async_scheduling
+):
+    """R4 / F20 (docs/worker.md K33): four follow-ups return together, each
+    admitted for an async offloaded load. Each admission must fit its whole
+    sequence beside the others' reservations, not only its first chunk:
+    before the fix (patch core-scheduler-wait-for-in-flight-blocks) the
+    fourth was admitted at 240 blocks, the reservations outgrew the pool and
+    the loaded head waited for blocks the loads behind it held, forever."""
+    chain = ChatChain(rig, num_gpu_blocks=num_gpu_blocks, async_scheduling=async_scheduling)
+    chain.play()
+    assert sum(chain.loads_per_round) >= 3 * 2  # offloaded prefixes were used
+    r = chain.r
+    assert r.hisparse.stats.lost_pages > 0  # under pressure
+    assert chain.preemptions == 0
+    r.finish()

@@ -73,8 +73,9 @@ def test_f17_preempt_after_planning_before_the_forward_publishes_nothing(build):
     Waiting for in-flight copies (R26) and giving pages up (R25) remove the
     GPU-pool preemptions this used to rely on; a host pool that cannot back
     b's next page (INV-6) still preempts. The numbers put a's page seal
-    and b's host shortage in the same pass."""
-    s, w = build(num_gpu_blocks=100, num_host_blocks=35, max_num_seqs=4,
+    and b's host shortage in the same pass; the GPU pool lets b's whole
+    sequence fit beside a's reservation, which admission requires (K33)."""
+    s, w = build(num_gpu_blocks=120, num_host_blocks=35, max_num_seqs=4,
                  policy="priority", max_num_batched_tokens=256,
                  long_prefill_token_threshold=128)
     a = make_request("a", prompt(1000, 1), 200, priority=1)

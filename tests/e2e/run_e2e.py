@@ -154,7 +154,14 @@ MODES = {
     "eager": {"enforce_eager": True},
     "fdo": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
 }
-OFFLOAD = {"cpu_bytes_to_use": 1 << 30}
+# offload_prompt_only (the pin's default: True) would keep a parent's decoded
+# pages out of the offloader: its follow-up recomputes them as prompt, the
+# offloader stores that version, and the next follow-up loads it, while the
+# off arm reuses the parent's decode-computed version of the same tokens.
+# vLLM's kernels are not batch invariant (K28), so the two arms would then
+# hold different, equally valid indexer KV (runs 20-23: chat_chain's rounds 2
+# and 3). Offloading decoded pages too gives the on arm the first version.
+OFFLOAD = {"cpu_bytes_to_use": 1 << 30, "offload_prompt_only": False}
 
 
 def engine_specs() -> dict[str, dict]:

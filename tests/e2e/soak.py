@@ -80,8 +80,10 @@ def hisparse_flags() -> list[str]:
         "--attention-config", json.dumps({"hisparse_config": {"host_pool_gib": HOST_POOL_GIB}}),
         "--kv-transfer-config", json.dumps({
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            # offloaded decoded pages: the replay's version of them (run_e2e.OFFLOAD)
             "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
-                                          "cpu_bytes_to_use": 1 << 30}}),
+                                          "cpu_bytes_to_use": 1 << 30,
+                                          "offload_prompt_only": False}}),
         "--num-gpu-blocks-override", str(GPU_BLOCKS),
     ]
 

@@ -275,3 +275,18 @@ def test_the_few_heads_engines_compare_on_the_path_hisparse_serves(tmp_path, mod
     cc.check_attention_path("fp8", heads)
     assert on["model"] == model and on["blocks"] == e2e.PRESSURE_BLOCKS[2048]
     e2e.validate_engines([f"off_{tag}", f"on_{tag}", f"rep_{tag}"], SPECS)
+
+
+def test_the_offloader_arms_offload_decoded_pages_too():
+    """R5 / K28 (runs 20-23): with the pin's prompt-only default, a follow-up
+    of a follow-up loads its parent's decoded pages as the parent's
+    follow-up recomputed them, while the off arm reuses them as decoded;
+    vLLM's kernels are not batch invariant, so the arms would compare two
+    valid computations of the same tokens. Every offloader arm offloads
+    decoded pages, so both arms hold the first computation."""
+    arms = [name for name, spec in SPECS.items() if spec.get("offload")]
+    assert "on_c2k" in arms and "on_c2k_audit" in arms
+    for name in arms:
+        kw = e2e.llm_kwargs(SPECS[name], {m: "/m" for m in e2e.MODEL_DIRS})
+        extra = kw["kv_transfer_config"].kv_connector_extra_config
+        assert extra["offload_prompt_only"] is False, name

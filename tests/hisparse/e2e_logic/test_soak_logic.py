@@ -278,7 +278,11 @@ def test_soak_arguments():
     cmd = soak.server_command(soak.Path("/m"), 8000)
     flags = dict(zip(cmd, cmd[1:]))
     assert json.loads(flags["--attention-config"])["hisparse_config"]["host_pool_gib"] > 0
-    assert json.loads(flags["--kv-transfer-config"])["kv_connector"] == "OffloadingConnector"
+    kv = json.loads(flags["--kv-transfer-config"])
+    assert kv["kv_connector"] == "OffloadingConnector"
+    # R5: the replay reuses a parent's decoded pages as computed while
+    # decoding; the server must offload them too (runs 20-23)
+    assert kv["kv_connector_extra_config"]["offload_prompt_only"] is False
     assert flags["--load-format"] == "hisparse_seeded"
     assert int(flags["--num-gpu-blocks-override"]) == soak.GPU_BLOCKS
     assert int(flags["--max-num-batched-tokens"]) == soak.CHUNK

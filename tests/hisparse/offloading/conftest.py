@@ -30,7 +30,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 OFFLOADER = "HiSparseOffloadingConnector"
 
 
-def offloading_config(spec_name: str, cpu_bytes: int) -> KVTransferConfig:
+def offloading_config(spec_name: str, cpu_bytes: int, **extra) -> KVTransferConfig:
     """The blog's form: an OffloadingConnector, no HiSparse connector."""
     return KVTransferConfig(
         kv_connector="OffloadingConnector",
@@ -38,6 +38,7 @@ def offloading_config(spec_name: str, cpu_bytes: int) -> KVTransferConfig:
         kv_connector_extra_config={
             "spec_name": spec_name,
             "cpu_bytes_to_use": cpu_bytes,
+            **extra,
         },
     )
 
@@ -123,6 +124,7 @@ def rig(tmp_path):
         num_cpu_blocks: int = 256,
         copy_delay: int = 0,
         faults: Faults | None = None,
+        offload_extra: dict | None = None,
         **scheduler_kwargs,
     ) -> Rig:
         config = hisparse_kv_cache_config(
@@ -134,7 +136,7 @@ def rig(tmp_path):
         scheduler = make_scheduler(
             tmp_path,
             config,
-            kv_transfer_config=offloading_config(spec_name, cpu_bytes),
+            kv_transfer_config=offloading_config(spec_name, cpu_bytes, **(offload_extra or {})),
             **scheduler_kwargs,
         )
         built.append(scheduler)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from tests.hisparse.offloading.test_offloading import offloaded_pages
 from tests.hisparse.scheduler.harness import B, AsyncDriver, make_request
 from tests.hisparse.scheduler.invariants import check_invariants
 
@@ -23,16 +24,19 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 class ChatChain:
-    def __init__(self, rig, num_gpu_blocks: int, async_scheduling: bool, seed: int = 0):
+    def __init__(self, rig, num_gpu_blocks: int, async_scheduling: bool, seed: int = 0,
+                 **offload_extra):
         self.rng = random.Random(seed)
         self.seed = seed
         self.r = rig(num_gpu_blocks=num_gpu_blocks, num_host_blocks=600,
                      num_cpu_blocks=1500, max_num_seqs=4, max_model_len=4096,
-                     max_num_batched_tokens=512, async_scheduling=async_scheduling)
+                     max_num_batched_tokens=512, async_scheduling=async_scheduling,
+                     offload_extra=offload_extra)
         self.driver = (
             AsyncDriver(self.r.scheduler, self.r.worker) if async_scheduling else None
         )
         self.loads_per_round: list[int] = []
+        self.offloaded_pages: list[list[int]] = []
         self.preemptions = 0
         preempt = self.r.scheduler._preempt_request
 
@@ -69,10 +73,11 @@ class ChatChain:
         for rnd in range(1, rounds + 1):
             for k in range(3):  # fillers: every page leaves the GPU pool
                 self.run([make_request(f"g{rnd}.{k}", _prompt(2500, 7000 + 3 * rnd + k), 16)])
-            self.host_prefix_pages.append([
-                self.r.hisparse.host_prefix_tokens(
-                    make_request(f"p{rnd}.{i}", history[i] + [5], 1)) // B
-                for i in range(4)])
+            probes = [make_request(f"p{rnd}.{i}", history[i] + [5], 1) for i in range(4)]
+            self.host_prefix_pages.append(
+                [self.r.hisparse.host_prefix_tokens(p) // B for p in probes])
+            self.offloaded_pages.append([offloaded_pages(self.r, p) for p in probes])
+            self.last_prompts = [q.num_prompt_tokens for q in reqs]
             before = self.r.offload.loads_verified
             turns = [_prompt(self.rng.randint(150, 400), 31 * rnd + i) for i in range(4)]
             reqs = [make_request(f"h{i}.{rnd}", history[i] + turns[i], 80) for i in range(4)]
@@ -94,6 +99,27 @@ def test_follow_ups_load_their_parents_decoded_pages_exactly(rig, async_scheduli
     r = chain.r
     assert r.offload.indexer_reads_checked > 0 and r.worker.reads_checked > 0
     r.finish()
+
+
+@pytest.mark.parametrize("prompt_only", [True, False])
+def test_which_decoded_pages_the_offloader_holds(rig, prompt_only):
+    """R5 / K28 (runs 20-23): with the pin's default (offload_prompt_only) a
+    parent's decoded pages never reach the offloader: it holds each
+    conversation only up to the last full page of the prompt, so a
+    follow-up recomputes the parent's decoded pages as prompt and the next
+    follow-up loads that version (the off arm reuses the decoded one; the
+    kernels are not batch invariant). Offloading decoded pages, as the
+    gate's arms do, holds every full page the host prefix has."""
+    chain = ChatChain(rig, num_gpu_blocks=400, async_scheduling=False,
+                      offload_prompt_only=prompt_only)
+    chain.play(rounds=1)
+    held, host = chain.offloaded_pages[0], chain.host_prefix_pages[0]
+    prompt_pages = [n // B for n in chain.last_prompts]
+    if prompt_only:
+        assert held == prompt_pages and all(h < p for h, p in zip(held, host))
+    else:
+        assert held == host
+    chain.r.finish()
 
 
 @pytest.mark.parametrize("num_gpu_blocks", [200, 240, 300])

@@ -36,7 +36,9 @@ class ChatChain:
             AsyncDriver(self.r.scheduler, self.r.worker) if async_scheduling else None
         )
         self.loads_per_round: list[int] = []
+        self.host_prefix_pages: list[list[int]] = []
         self.offloaded_pages: list[list[int]] = []
+        self.parent_prompts: list[int] = []
         self.preemptions = 0
         preempt = self.r.scheduler._preempt_request
 
@@ -45,7 +47,6 @@ class ChatChain:
             return preempt(*args, **kwargs)
 
         self.r.scheduler._preempt_request = counted
-        self.host_prefix_pages: list[list[int]] = []
 
     def _busy(self) -> bool:
         if self.driver is not None:
@@ -77,7 +78,7 @@ class ChatChain:
             self.host_prefix_pages.append(
                 [self.r.hisparse.host_prefix_tokens(p) // B for p in probes])
             self.offloaded_pages.append([offloaded_pages(self.r, p) for p in probes])
-            self.last_prompts = [q.num_prompt_tokens for q in reqs]
+            self.parent_prompts = [q.num_prompt_tokens for q in reqs]
             before = self.r.offload.loads_verified
             turns = [_prompt(self.rng.randint(150, 400), 31 * rnd + i) for i in range(4)]
             reqs = [make_request(f"h{i}.{rnd}", history[i] + turns[i], 80) for i in range(4)]
@@ -87,10 +88,11 @@ class ChatChain:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_follow_ups_load_their_parents_decoded_pages_exactly(rig, async_scheduling):
+def test_follow_ups_load_their_history_exactly(rig, async_scheduling):
     """R5 / INV-31: every round's follow-ups load an offloaded indexer prefix
-    that covers their parent's decoded pages (the host prefix grows by each
-    turn), and every row read, store and load is exact."""
+    (their parent's prompt, which holds the earlier turns' answers; the host
+    prefix grows by each turn), and every row read, store and load is
+    exact."""
     chain = ChatChain(rig, num_gpu_blocks=400, async_scheduling=async_scheduling)
     chain.play()
     assert chain.loads_per_round == [4, 4, 4]
@@ -114,7 +116,7 @@ def test_which_decoded_pages_the_offloader_holds(rig, prompt_only):
                       offload_prompt_only=prompt_only)
     chain.play(rounds=1)
     held, host = chain.offloaded_pages[0], chain.host_prefix_pages[0]
-    prompt_pages = [n // B for n in chain.last_prompts]
+    prompt_pages = [n // B for n in chain.parent_prompts]
     if prompt_only:
         assert held == prompt_pages and all(h < p for h, p in zip(held, host))
     else:

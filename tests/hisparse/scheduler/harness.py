@@ -39,10 +39,7 @@ forward a transfer was submitted) and models the bytes of every group:
 It consumes the rest of the step metadata the way the real worker must:
 hot regions get a state slot when announced and lose it when freed (each
 announced start is a live request's region; none is freed twice or used
-after its free; the announced set always equals the live regions), and
-``reused_block_ids`` must be exactly the unpinned blocks the GPU pool handed
-out since the previous step (observed at the pool, independently of the
-coordinator).
+after its free; the announced set always equals the live regions).
 
 A step can execute late (``LateDriver``): ``receive`` takes the scheduler
 output when it is emitted and records only the scheduler-side truth the
@@ -580,7 +577,6 @@ class SimWorker:
         self.regions: dict[int, str] = {}
         self.regions_allocated = 0
         self.regions_freed = 0
-        self.reused_seen = 0
         # The worker's own request-state slots (spec 2.8): one per hot
         # region, max_num_seqs of them, reset on assignment (INV-24).
         self.num_slots = scheduler.scheduler_config.max_num_seqs
@@ -611,7 +607,8 @@ class SimWorker:
 
     def _watch_reuse(self, pool) -> None:
         """Record, at the GPU pool, every unpinned (watched) block it hands
-        out: what ``reused_block_ids`` must list (F16)."""
+        out (independently of the coordinator): the blocks a late step may
+        still read (F16)."""
         self._handed_out_unpinned: set[int] = set()
         allocate = pool.get_new_blocks
 
@@ -808,16 +805,6 @@ class SimWorker:
                 if lru.by_block:
                     for hb in blocks:
                         self.hot_invalidated += lru.drop_block(hb)
-
-    def _reused(self, rx: _Received) -> None:
-        """F16: the reused blocks listed are exactly the unpinned blocks the
-        pool handed out since the previous step."""
-        listed = rx.meta.reused_block_ids.tolist()
-        if len(listed) != len(set(listed)) or set(listed) != rx.handed_out_unpinned:
-            raise ProtocolError(
-                f"step {self.step_no}: reused_block_ids {sorted(listed)}, but the "
-                f"pool handed out unpinned blocks {sorted(rx.handed_out_unpinned)}")
-        self.reused_seen += len(listed)
 
     # ------------------------------------------------------ W2 forward
 
@@ -1178,12 +1165,12 @@ class SimWorker:
     def _count_in_flight_reuse(self, rx: _Received) -> None:
         """A step executing late can read resident pages whose blocks the
         scheduler has already handed to someone else in a step emitted since
-        (listed in that step's ``reused_block_ids``): the race window of F16
-        and 4.6. Count such reads; the forward checks they still see the old
-        bytes (the new owner writes in a later forward)."""
+        (observed at the pool): the race window of F16 and 4.6. Count such
+        reads; the forward checks they still see the old bytes (the new owner
+        writes in a later forward)."""
         later: set[int] = set()
         for other in self._inbox:
-            later.update(other.meta.reused_block_ids.tolist())
+            later.update(other.handed_out_unpinned)
         if not later:
             return
         for req_id in rx.so.num_scheduled_tokens:
@@ -1221,7 +1208,6 @@ class SimWorker:
         self._check_tables(rx)
         self._hot_regions(rx)
         self._invalidate_new_source_blocks(meta)
-        self._reused(rx)
         self._transfers(meta, rx.so.num_scheduled_tokens)
         self._copy_on_write(meta)
         self._count_in_flight_reuse(rx)

@@ -10,7 +10,6 @@ checked against what the "forward" wrote.
 import numpy as np
 import pytest
 import torch
-from vllm.v1.hisparse.worker import reused_blocks_this_step
 from worker_harness import B, ReferenceOps, WorkerRig, attn_metadata, fill_pattern
 
 
@@ -491,17 +490,6 @@ def test_the_runner_skips_exactly_the_virtual_groups():
         layout.hot_group_ids)
     assert layout.SOURCE_GROUP_ID not in rig.rt.virtual_group_ids
     assert layout.INDEXER_GROUP_ID not in rig.rt.virtual_group_ids
-
-
-def test_reused_blocks_are_published_for_the_offloader():
-    """F16: the step's reused GPU blocks reach the HiSparse-aware offloader."""
-    rig = WorkerRig()
-    rig.place(0, resident=[3], host=[5])
-    rig.batch.schedule(computed=[0], scheduled=[1])
-    rig.worker.start_step(rig.meta(reused_block_ids=np.array([42, 43])),
-                          attn_metadata(rig.batch, 1, 1))
-    assert reused_blocks_this_step().tolist() == [42, 43]
-    rig.worker.finish_forward()
 
 
 # ------------------------------------------------------------ debug audit

@@ -235,8 +235,7 @@ class HiSparseCoordinator:
         # Unpinned GPU block id -> {(request state, page)} reading it.
         self.owners: dict[int, set[tuple[RequestResidency, int]]] = {}
         self._new_source_block_ids: list[int] = []
-        # This step's GPU block events (ordered sets of block ids).
-        self._reused: dict[int, None] = {}
+        # This step's hot-region events (first block ids, in order).
         self._hot_allocated: dict[int, str] = {}  # first block -> request
         self._hot_freed: list[int] = []
         self._cow_pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
@@ -621,10 +620,11 @@ class HiSparseCoordinator:
         self.stats.pages_unpinned += len(pages)
 
     def _on_block_reused(self, block: KVCacheBlock) -> None:
-        """The pool handed an unpinned block to someone else (4.6 step 2).
-        The block is reported to the workers this step (F16): a step still
-        in flight may read its old bytes."""
-        self._reused[block.block_id] = None
+        """The pool handed an unpinned block to someone else (4.6 step 2):
+        its copies entry and the pages reading it are lost. A step still in
+        flight may read its old bytes: the new owner writes in a forward
+        stream-ordered after it, and the offloader's loads wait for the
+        compute stream (F16, docs/worker.md K10)."""
         self._drop_copy(block.block_id)
         for st, page in self.owners.pop(block.block_id, ()):
             self._lose_page(st, page, block.block_id)
@@ -949,11 +949,6 @@ class HiSparseCoordinator:
             )
             meta.hot_region_requests = list(self._hot_allocated.values())
             self._hot_allocated = {}
-        if self._reused:
-            meta.reused_block_ids = np.fromiter(
-                self._reused, dtype=np.int32, count=len(self._reused)
-            )
-            self._reused = {}
         if self._retired:
             meta.retired_transfer_ids = np.array(self._retired, dtype=np.int64)
             self._retired = []

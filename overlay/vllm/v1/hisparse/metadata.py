@@ -99,12 +99,7 @@ class HiSparseStepMetadata(KVConnectorMetadata):
     (finished or preempted request); its state slot is released. Applied
     before ``hot_regions_allocated``."""
 
-    # ---- GPU pool
-    reused_block_ids: np.ndarray = _ids(np.int32)
-    """int32 [u]: GPU blocks handed out this step that were unpinned pages
-    until now (F16): an in-flight step may still read them, so any copy
-    *into* them that is not ordered after the compute stream must wait."""
-
+    # ---- acks
     retired_transfer_ids: np.ndarray = _ids(np.int64)
     """int64 [r]: transfers the scheduler has finished with: stop reporting."""
 

@@ -376,9 +376,6 @@ class HiSparseWorker:
         self._completed: dict[int, int] = {}
         self._cow_done: set[int] = set()
         self._step: _StepState | None = None
-        self.reused_block_ids = np.zeros(0, dtype=np.int32)
-        """GPU blocks of this step that were unpinned pages (F16), for a
-        connector that loads into GPU blocks off the compute stream."""
         self._debug = debug_enabled()
         self._audit: tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None = None
         self.audit_rows_checked = 0
@@ -428,7 +425,6 @@ class HiSparseWorker:
         rt.apply_hot_regions(
             meta.hot_regions_freed, meta.hot_regions_allocated, meta.hot_region_requests
         )
-        self.reused_block_ids = meta.reused_block_ids
         restore = meta.transfer_restore.astype(bool)
         if restore.any():
             self._restore(meta, np.nonzero(restore)[0])
@@ -746,10 +742,9 @@ def decode_query_len(attn_metadata: Any) -> int:
     return int(decode.decode_query_len) if decode is not None else 0
 
 
-# The worker of this process (one engine, one rank per process): the
-# HiSparse-aware offloader, a sibling connector that cannot reach it through
-# vLLM, reads its step's reused blocks here; tests and the e2e counters read
-# its audit.
+# The worker of this process (one engine, one rank per process), for what
+# cannot reach it through vLLM: the debug fault injector and the e2e
+# counters (its audit, its host-pool role).
 _current: HiSparseWorker | None = None
 
 
@@ -760,14 +755,6 @@ def _set_current(worker: HiSparseWorker | None) -> None:
 
 def current_worker() -> HiSparseWorker | None:
     return _current
-
-
-def reused_blocks_this_step() -> np.ndarray:
-    """GPU blocks of the current step that were unpinned pages (F16), for
-    the HiSparse-aware offloader of the same worker process."""
-    if _current is None:
-        return np.zeros(0, dtype=np.int32)
-    return _current.reused_block_ids
 
 
 def _swap_blocks_batch(
@@ -786,5 +773,4 @@ __all__ = [
     "StreamOps",
     "current_worker",
     "debug_enabled",
-    "reused_blocks_this_step",
 ]

@@ -210,6 +210,28 @@ def test_pass0_must_split_the_batch_as_the_target_did():
     rig.worker.finish_forward()
 
 
+def test_pass0_is_checked_against_the_real_batch_not_the_graph_padding():
+    """E2E-5 run 22 (MTP 1): a FULL graph padded a 3-request decode batch
+    to 4 (the target's metadata split (4, 8)); the drafter's metadata is
+    unpadded, (3, 6), and must pass. A real difference still fails."""
+    rig = WorkerRig(config=tiny_config(num_layers=3, num_mtp=1, q=Q))
+    rig.place(0, resident=[0, RESIDENT[0]], host=[HOST[0], 6], hot=list(range(20, 25)))
+    rig.place(1, resident=[0, RESIDENT[1]], host=[HOST[1], 10], hot=list(range(30, 35)))
+    rig.batch.schedule(computed=[100, 90], scheduled=[Q, Q])
+    padded = attn_metadata(rig.batch, 3, 3 * Q)  # one padding request
+    rig.worker.start_step(rig.meta(hot_regions_allocated=[20, 30],
+                                   hot_region_requests=["r0", "r1"]), padded)
+    rt = rig.rt
+    assert rt.decode_split == (2, 2 * Q)
+    rt.begin_draft_pass(2, 2 * Q)
+    rig.worker.finish_forward()
+    rig.batch.schedule(computed=[104, 94], scheduled=[Q, Q])
+    rig.worker.start_step(rig.meta(), attn_metadata(rig.batch, 3, 3 * Q))
+    with pytest.raises(RuntimeError, match="drafter's first pass"):
+        rt.begin_draft_pass(1, Q)
+    rig.worker.finish_forward()
+
+
 # ------------------------------------------- through hisparse_forward_mqa
 
 

@@ -434,10 +434,14 @@ class HiSparseRuntime:
         ``row_req`` (the batch row of each real token, -1 for CUDA-graph
         padding) and ``req_state``, built on the host and sent in one copy.
         ``decode_split``: the forward's (num_decodes, num_decode_tokens),
-        which the drafter's pass 0 must repeat (``begin_draft_pass``)."""
-        self.decode_split, self.draft_passes = decode_split, 0
+        which the drafter's pass 0 must repeat (``begin_draft_pass``) for
+        the real batch: a FULL graph pads a uniform decode batch with
+        requests the drafter never sees (its metadata is unpadded)."""
         num_reqs = self.num_reqs = self.tables.num_reqs()
         num_tokens = self.num_tokens = self.tables.num_tokens()
+        if decode_split is not None:
+            decode_split = (min(decode_split[0], num_reqs), min(decode_split[1], num_tokens))
+        self.decode_split, self.draft_passes = decode_split, 0
         row_req, req_state = self.step_inputs.host_views()
         row_req[:num_tokens] = self.tables.token_rows()[:num_tokens]
         self._request_slots(req_state[:num_reqs])

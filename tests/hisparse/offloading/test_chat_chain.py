@@ -87,13 +87,15 @@ class ChatChain:
             history = {i: list(q.all_token_ids) for i, q in enumerate(reqs)}
 
 
+@pytest.mark.parametrize("prompt_only", [True, False])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_follow_ups_load_their_history_exactly(rig, async_scheduling):
+def test_follow_ups_load_their_history_exactly(rig, async_scheduling, prompt_only):
     """R5 / INV-31: every round's follow-ups load an offloaded indexer prefix
-    (their parent's prompt, which holds the earlier turns' answers; the host
-    prefix grows by each turn), and every row read, store and load is
-    exact."""
-    chain = ChatChain(rig, num_gpu_blocks=400, async_scheduling=async_scheduling)
+    (their parent's prompt, which holds the earlier turns' answers, or with
+    decoded pages offloaded their whole history; the host prefix grows by
+    each turn), and every row read, store and load is exact."""
+    chain = ChatChain(rig, num_gpu_blocks=400, async_scheduling=async_scheduling,
+                      offload_prompt_only=prompt_only)
     chain.play()
     assert chain.loads_per_round == [4, 4, 4]
     grown = [b > a for a, b in zip(chain.host_prefix_pages[0], chain.host_prefix_pages[-1])]

@@ -440,7 +440,8 @@ class HiSparseRuntime:
         num_reqs = self.num_reqs = self.tables.num_reqs()
         num_tokens = self.num_tokens = self.tables.num_tokens()
         if decode_split is not None:
-            decode_split = (min(decode_split[0], num_reqs), min(decode_split[1], num_tokens))
+            decodes, decode_tokens = decode_split
+            decode_split = (min(decodes, num_reqs), min(decode_tokens, num_tokens))
         self.decode_split, self.draft_passes = decode_split, 0
         row_req, req_state = self.step_inputs.host_views()
         row_req[:num_tokens] = self.tables.token_rows()[:num_tokens]
@@ -757,7 +758,6 @@ def build_index_groups(
             )
         )
     return groups
-
 
 
 def _query_lens(query_start_loc: Any) -> list[int] | None:

@@ -350,8 +350,9 @@ class HiSparseOffloadingConnector(OffloadingConnector):
         still in flight was scheduled: a finished request's last block, which
         that step still writes (async scheduling runs a finished request's
         last placeholder token), a preempted request's blocks, or an unpinned
-        resident page it still reads. A load copied before that step ran is
-        clobbered (e2e run 20: one stale indexer row per conversation turn).
+        resident page it still reads. A load copied before that step ran
+        would be clobbered (no run has shown it: run 23's fence did not
+        change run 20's chat_chain difference, which had another cause).
         So a step that starts loads first waits for the compute stream: a
         deliberate host sync, once per step that admits an offloaded hit,
         not per token or per layer."""

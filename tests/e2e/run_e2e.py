@@ -625,13 +625,12 @@ def queued_failures(llm) -> list[str]:
     drafting surfaces as whatever step t+1 then trips over; the original
     stays in the queued future (in-process engine core only)."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-    out = []
-    for item in list(getattr(core, "batch_queue", None) or ()):
-        for fut in item[0], item[2]:
-            if fut.done() and fut.exception() is not None:
-                err = fut.exception()
-                out.append("".join(traceback.format_exception(err))[-4000:])
-    return out
+    # (sample future, scheduler output, execute future); a step that samples
+    # nothing queues its execute future in both places
+    futures = {id(f): f for item in list(getattr(core, "batch_queue", None) or ())
+               for f in (item[0], item[2])}
+    return ["".join(traceback.format_exception(f.exception()))[-4000:]
+            for f in futures.values() if f.done() and f.exception() is not None]
 
 
 def resolved_defaults(llm) -> dict:

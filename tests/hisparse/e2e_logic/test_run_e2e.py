@@ -290,3 +290,28 @@ def test_the_offloader_arms_offload_decoded_pages_too():
         kw = e2e.llm_kwargs(SPECS[name], {m: "/m" for m in e2e.MODEL_DIRS})
         extra = kw["kv_transfer_config"].kv_connector_extra_config
         assert extra["offload_prompt_only"] is False, name
+
+
+def test_queued_failures_names_each_masked_exception_once():
+    """Run 22 (MTP 1): under async scheduling step t's sampling raised and
+    step t+1 died on another error; the original waits in the engine core's
+    batch queue (vLLM's (sample future, output, execute future) entries)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    def future(err=None):
+        f = Future()
+        f.set_exception(err) if err else f.set_result(None)
+        return f
+
+    sampled = future(RuntimeError("drafter's first pass splits the batch"))
+    no_sample = future(ValueError("execute failed"))  # queued as both futures
+    pending = Future()
+    queue = [(sampled, None, future()), (no_sample, None, no_sample), (pending, None, pending)]
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(
+        engine_core=SimpleNamespace(engine_core=SimpleNamespace(batch_queue=queue))))
+    found = e2e.queued_failures(llm)
+    assert len(found) == 2
+    assert "drafter's first pass" in found[0] and "execute failed" in found[1]
+    no_core = SimpleNamespace(llm_engine=SimpleNamespace())
+    assert e2e.queued_failures(no_core) == []

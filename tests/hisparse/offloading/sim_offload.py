@@ -34,7 +34,7 @@ from tests.hisparse.scheduler.harness import (
     ProtocolError,
     RowTags,
     SimWorker,
-    sampled_token,
+    final_tokens,
 )
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -380,12 +380,11 @@ class SimOffloadWorker:
     def _tags(self, req_id: str, upto: int = 0) -> np.ndarray:
         """Row tags of ``req_id`` through position ``upto`` at least: under
         async scheduling a forward runs a token the scheduler does not know
-        yet, which the worker sampled (``sampled_token``)."""
+        yet, which the worker sampled (``final_tokens``)."""
         request = self.scheduler.requests.get(req_id) or self.sim.requests_seen[req_id]
-        tokens = request.all_token_ids
-        if len(tokens) < upto:
-            tokens = list(tokens) + [sampled_token(p) for p in range(len(tokens), upto)]
-        return self._row_tags.setdefault(req_id, RowTags()).extend_to(tokens)
+        return self._row_tags.setdefault(req_id, RowTags()).extend_to(
+            final_tokens(request, upto)
+        )
 
     def _rows(self, gid: int, block: int, layer: int) -> np.ndarray:
         off, row = self._footprints[gid][layer]

@@ -816,12 +816,8 @@ class SimWorker:
         self.requests_seen[req_id] = request
         spec = rx.so.scheduled_spec_decode_tokens.get(req_id) or ()
         n_final = c + n - len(spec)
-        tokens = request.all_token_ids
-        if len(tokens) < n_final:
-            tokens = list(tokens)
-            tokens += [sampled_token(p) for p in range(len(tokens), n_final)]
         rt = self.tags.setdefault(req_id, RowTags())
-        tags = rt.extend_to(tokens)
+        tags = rt.extend_to(final_tokens(request, n_final))
         if not spec:
             return tags
         if any(t < 0 for t in spec):
@@ -1241,6 +1237,16 @@ def sampled_token(position: int) -> int:
     (async scheduling runs the next forward before the previous output is
     processed). Never the EOS id."""
     return position % 997 + 2
+
+
+def final_tokens(request: Request, upto: int):
+    """The request's final tokens through position ``upto`` as a forward
+    sees them: what the scheduler knows, then the worker's own samples
+    (async scheduling runs a token before its output is processed)."""
+    tokens = request.all_token_ids
+    if len(tokens) < upto:
+        tokens = list(tokens) + [sampled_token(p) for p in range(len(tokens), upto)]
+    return tokens
 
 
 def wrong_token(position: int) -> int:

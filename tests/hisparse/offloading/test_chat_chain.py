@@ -25,13 +25,13 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 class ChatChain:
     def __init__(self, rig, num_gpu_blocks: int, async_scheduling: bool, seed: int = 0,
-                 **offload_extra):
+                 spec_name: str = "CPUOffloadingSpec", **offload_extra):
         self.rng = random.Random(seed)
         self.seed = seed
         self.r = rig(num_gpu_blocks=num_gpu_blocks, num_host_blocks=600,
                      num_cpu_blocks=1500, max_num_seqs=4, max_model_len=4096,
                      max_num_batched_tokens=512, async_scheduling=async_scheduling,
-                     offload_extra=offload_extra)
+                     spec_name=spec_name, offload_extra=offload_extra)
         self.driver = (
             AsyncDriver(self.r.scheduler, self.r.worker) if async_scheduling else None
         )
@@ -87,15 +87,19 @@ class ChatChain:
             history = {i: list(q.all_token_ids) for i, q in enumerate(reqs)}
 
 
+@pytest.mark.parametrize("spec_name", ["CPUOffloadingSpec", "TieringOffloadingSpec"])
 @pytest.mark.parametrize("prompt_only", [True, False])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_follow_ups_load_their_history_exactly(rig, async_scheduling, prompt_only):
+def test_follow_ups_load_their_history_exactly(rig, async_scheduling, prompt_only,
+                                               spec_name):
     """R5 / INV-31: every round's follow-ups load an offloaded indexer prefix
     (their parent's prompt, which holds the earlier turns' answers, or with
     decoded pages offloaded their whole history; the host prefix grows by
-    each turn), and every row read, store and load is exact."""
+    each turn), and every row read, store and load is exact. Also with the
+    blog's tiering spec (the gate's and the soak's), whose manager forgets a
+    finished request (K34)."""
     chain = ChatChain(rig, num_gpu_blocks=400, async_scheduling=async_scheduling,
-                      offload_prompt_only=prompt_only)
+                      offload_prompt_only=prompt_only, spec_name=spec_name)
     chain.play()
     assert chain.loads_per_round == [4, 4, 4]
     grown = [b > a for a, b in zip(chain.host_prefix_pages[0], chain.host_prefix_pages[-1])]

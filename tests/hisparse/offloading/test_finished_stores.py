@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """A finished request's final stores (patch
-connector-offloading-finish-after-final-store; soak run 24, docs/worker.md
+connector-offloading-finish-after-final-store; soak run 25, docs/worker.md
 K34).
 
 Under async scheduling the hash of a page completed by a request's last

@@ -46,7 +46,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -587,7 +587,11 @@ async def soak(a) -> dict:
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY",
                                         max_retries=0, timeout=300)
             feed = Feed(work / "requests.jsonl")
-            load = Load(cfg, server, client, http, feed)
+            seconds = logic.load_seconds(cfg.duration_s, a.deadline - time.time())
+            if seconds < cfg.duration_s:
+                report["load_cut_to_s"] = round(seconds, 1)
+                log(f"load: cut to {seconds:.0f} s to write the report inside --budget")
+            load = Load(replace(cfg, duration_s=seconds), server, client, http, feed)
             log("load: start", cfg)
             report["load_s"] = round(await load.run(), 1)
             try:

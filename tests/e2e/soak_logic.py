@@ -378,6 +378,19 @@ PRESSURE_COUNTERS = ("vllm:hisparse_lost_pages_total", "vllm:hisparse_l3_lookups
 misses served from the host pool (docs/worker.md K22)."""
 
 
+WRAP_UP_S = 45.0
+"""What the soak needs after its load: drain, idle checks, the replay's
+last steps and the report (run 25, warm: 11 s after the load)."""
+
+
+def load_seconds(requested: float, seconds_left: float) -> float:
+    """How long the load may run so that the report is still written inside
+    the budget: a cold device call started the server so late that run 26
+    was killed before its report. A cut load is reported (``load_cut_to_s``)
+    and fails ``ran_long_enough``, which compares with the request."""
+    return max(10.0, min(requested, seconds_left - WRAP_UP_S))
+
+
 def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict:
     """The server's HiSparse counters over the load (``*_total`` series)."""
     return {k: after[k] - before.get(k, 0.0) for k in after

@@ -308,3 +308,17 @@ def test_json_lines_reads_only_complete_lines(tmp_path):
         f.flush()
         assert lines.read() == [[["b", 2, 0]]]
         assert lines.read() == []
+
+
+def test_a_late_server_cuts_the_load_and_the_soak_says_so():
+    """R5 (run 26): a cold device call started the server so late that the
+    call ended before soak.json; the load is cut to leave the report its
+    time, and a cut load fails ran_long_enough (it compares with the 360 s
+    asked for, not with the cut)."""
+    assert sl.load_seconds(360.0, 600.0) == 360.0
+    assert sl.load_seconds(360.0, 300.0) == 300.0 - sl.WRAP_UP_S
+    assert sl.load_seconds(360.0, 20.0) == 10.0
+    report, results = good_run()
+    report["load_s"] = sl.load_seconds(360.0, 300.0) + 1.0
+    out = soak.finish(report, results)
+    assert not out["checks"]["ran_long_enough"] and not out["pass"]

@@ -32,7 +32,7 @@ Runs ON the GPU host (after ``eval "$(scripts/test-gpu.sh --print-env)"``):
    completed request's tokens and logprobs equal bit for bit, no restart,
    no leak.
 
-usage: python3 tests/e2e/soak.py --out DIR [--duration 360] [--variant NAME]
+usage: python3 tests/e2e/soak.py --out DIR [--duration 360] [--variant NAME] [--audit]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import soak_logic as logic  # noqa: E402
 
 PLUGIN = HERE / "seeded_weights"
 TRACE_ENV = "HISPARSE_E2E_SCHEDULE_TRACE"  # seeded_weights/hisparse_e2e_weights.py
+DEBUG_ENV = "VLLM_HISPARSE_DEBUG"  # vllm/v1/hisparse/worker.py (mirror audit)
 MAX_MODEL_LEN = 16384
 CHUNK = 2048
 MAX_NUM_SEQS = 8
@@ -99,7 +100,7 @@ def server_command(model: Path, port: int) -> list[str]:
             *hisparse_flags()]
 
 
-def child_env(variant: str, trace: Path | None = None) -> dict[str, str]:
+def child_env(variant: str, trace: Path | None = None, audit: bool = False) -> dict[str, str]:
     # The canonical top-k order in the server and in the replay (both arms
     # of every comparison: vllm/v1/hisparse/determinism.py); request ids
     # as the client gave them (the trace's keys); the server's schedule
@@ -111,6 +112,12 @@ def child_env(variant: str, trace: Path | None = None) -> dict[str, str]:
     env.pop(TRACE_ENV, None)
     if trace is not None:
         env[TRACE_ENV] = str(trace)
+    env.pop(DEBUG_ENV, None)
+    if audit:
+        # HiSparse's mirror audit (F1): every host row written is compared
+        # with its resident row; a mismatch is logged (scan_log). It
+        # synchronizes each step, so it also removes copy/forward overlap.
+        env[DEBUG_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         [str(PLUGIN), str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default
@@ -124,11 +131,11 @@ class Server:
     """The server process, its HTTP endpoints and its engine core's /proc."""
 
     def __init__(self, model: Path, port: int, log_path: Path, variant: str,
-                 trace: Path) -> None:
+                 trace: Path, audit: bool = False) -> None:
         self.port, self.log_path = port, log_path
         self.command = server_command(model, port)
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(self.command, env=child_env(variant, trace),
+        self.proc = subprocess.Popen(self.command, env=child_env(variant, trace, audit),
                                      stdout=self._log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
 
@@ -555,6 +562,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds from start by which soak.json must be written (the "
                     "replay, which starts once the server is up and follows its "
                     "schedule, has until 30 s before it; a device call has 600)")
+    ap.add_argument("--audit", action="store_true",
+                    help="run the server with HiSparse's mirror audit (F1; debug: it "
+                    "synchronizes every step)")
     ap.add_argument("--port", type=int, default=8111)
     ap.add_argument("--replay-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -574,7 +584,8 @@ async def soak(a) -> dict:
                            max_model_len=MAX_MODEL_LEN)
     report: dict = {"config": asdict(cfg), "variant": a.variant, "gpu_blocks": GPU_BLOCKS}
     server = Server(Path(a.model), a.port, out / "soak_server.log", a.variant,
-                    work / "trace.jsonl")
+                    work / "trace.jsonl", audit=a.audit)
+    report["mirror_audit"] = a.audit
     report["command"] = " ".join(server.command)
     replay = None
     try:

@@ -414,6 +414,8 @@ def verdict(report: Mapping[str, Any]) -> dict[str, bool]:
         "tokens_identical": m["token_mismatches"] == 0,
         "logprobs_bitwise": m["logprob_mismatches"] == 0 and m["max_abs_logprob_diff"] == 0.0,
         "no_restart": report["restarts"] == 0,
+        "server_log_clean": all(report.get("log", {}).get(k, 0) == 0
+                                for k in ("tracebacks", "errors", "audit_mismatch")),
         "no_leaks": report["leaks"] == 0,
         "sensitive_init": bool(report.get("sensitivity", {}).get("meets")),
         "init_paths_agree": report.get("init_paths_agree") is True,

@@ -322,3 +322,28 @@ def test_a_late_server_cuts_the_load_and_the_soak_says_so():
     report["load_s"] = sl.load_seconds(360.0, 300.0) + 1.0
     out = soak.finish(report, results)
     assert not out["checks"]["ran_long_enough"] and not out["pass"]
+
+
+@pytest.mark.parametrize("line", [
+    "(EngineCore pid=7) ERROR 12-02 16:46:08 [core.py:1332] EngineCore encountered a fatal error.",
+    "(EngineCore pid=7) ERROR 12-02 [worker.py:703] HiSparse mirror audit: 2 host row(s) of "
+    "model.layers.0 differ from their resident rows (first host row 9)",
+    "Traceback (most recent call last):",
+])
+def test_an_error_in_the_server_log_fails_the_soak(line):
+    """R5 / F1: a server that logged an error, a traceback or a mirror-audit
+    mismatch (``--audit``) fails the soak even if it kept serving."""
+    report, results = good_run()
+    report["log"] = sl.scan_log(line + "\n")
+    out = soak.finish(report, results)
+    assert not out["checks"]["server_log_clean"] and not out["pass"]
+    report, results = good_run()
+    assert soak.finish(report, results)["checks"]["server_log_clean"]
+
+
+def test_the_audit_reaches_only_the_server():
+    """F1: ``--audit`` turns on HiSparse's mirror audit in the server's
+    environment; the replay (HiSparse off) never gets it."""
+    assert soak.child_env("n02", audit=True)[soak.DEBUG_ENV] == "1"
+    assert soak.DEBUG_ENV not in soak.child_env("n02")
+    assert soak.parse_args(["--out", "x", "--audit"]).audit

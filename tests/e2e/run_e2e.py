@@ -199,6 +199,9 @@ def engine_specs() -> dict[str, dict]:
         # KV is recomputed or prefix-cached on the GPU, never loaded
         "on_nooff": on(),
         "on_lazy": on(eager_host_mirror=False),
+        # K6 (docs/kernels.md P9): the miss plan sorted by host row before
+        # the gathers; auto-on only for host arrays >= 2 GiB, forced here.
+        "on_ordered": on(offload=True, order_misses=True),
         # E2E-9: ample GPU blocks, so that all four requests run at once and
         # their decode outgrows the host pool (under GPU pressure HiSparse
         # admits them a few at a time and the host never runs out: run 9).
@@ -258,7 +261,7 @@ REPLAYS = {
 every HiSparse engine of that reference that ran before it."""
 REFERENCE = {
     "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_nooff": "off_c2k",
-    "on_lazy": "off_c2k",
+    "on_lazy": "off_c2k", "on_ordered": "off_c2k",
     "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
     "on_tp2": "off_tp2", "on_dsv32": "off_dsv32", "on_h16": "off_h16", "on_h8": "off_h8",
@@ -275,6 +278,7 @@ ON_PLAN = {
     "on_c2k_audit": ["single6k", "concurrent", "host_prefix", "chat_chain", "returning"],
     "on_nooff": ["chat_chain"],
     "on_lazy": ["single6k", "concurrent"],
+    "on_ordered": ["single6k", "concurrent", "host_prefix", "returning"],
     "on_hostex": ["long_outputs"],
     "on_nopressure": ["single6k", "returning"],
     "on_c8k": ["single6k", "single12k", "concurrent", "equal_followups", "returning"],
@@ -300,7 +304,7 @@ SCENARIO_IDS = {
 }
 ENGINE_IDS = {
     "on_c2k_audit": "F1 (mirror audit)", "on_nooff": "without the offloader",
-    "on_lazy": "E2E-6", "on_nopressure": "E2E-8",
+    "on_lazy": "E2E-6", "on_nopressure": "E2E-8", "on_ordered": "P9 (K6 miss order)",
     "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
     "on_share": "IndexShare", "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
     "on_h16": "16 heads per rank", "on_h8": "8 heads per rank",

@@ -22,6 +22,9 @@ STABLE_TORCH_LIBRARY(hisparse_ops, m) {
       "gather_compact(Tensor src, Tensor(a!) dst, Tensor plan_src, "
       "Tensor plan_dst, Tensor plan_count) -> ()");
   m.def(
+      "order_plan(Tensor(a!) plan_src, Tensor(b!) plan_dst, "
+      "Tensor plan_count) -> ()");
+  m.def(
       "gather_plan(Tensor src, Tensor(a!) dst, Tensor src_rows, "
       "Tensor dst_rows, Tensor mask, Tensor? req_state, "
       "Tensor(b!)? out_rows, int attn_block_stride) -> ()");
@@ -44,6 +47,7 @@ STABLE_TORCH_LIBRARY(hisparse_ops, m) {
 STABLE_TORCH_LIBRARY_IMPL(hisparse_ops, CUDA, m) {
   m.impl("resolve_residency", TORCH_BOX(&hisparse::resolve_residency));
   m.impl("gather_compact", TORCH_BOX(&hisparse::gather_compact));
+  m.impl("order_plan", TORCH_BOX(&hisparse::order_plan));
   m.impl("gather_plan", TORCH_BOX(&hisparse::gather_plan));
   m.impl("invalidate_written_slots",
          TORCH_BOX(&hisparse::invalidate_written_slots));

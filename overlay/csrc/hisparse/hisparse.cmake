@@ -22,6 +22,7 @@ if(VLLM_GPU_LANG STREQUAL "CUDA")
     "csrc/hisparse/gather.cu"
     "csrc/hisparse/invalidate.cu"
     "csrc/hisparse/mirror.cu"
+    "csrc/hisparse/order_plan.cu"
     "csrc/hisparse/resolve_residency.cu"
     "csrc/hisparse/torch_glue.cpp")
 

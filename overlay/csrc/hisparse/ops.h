@@ -33,6 +33,10 @@ int64_t resolver_smem_bytes(int64_t top_k, int64_t max_query_len,
 void gather_compact(const Tensor& src, Tensor dst, const Tensor& plan_src,
                     const Tensor& plan_dst, const Tensor& plan_count);
 
+// K6 (docs/kernels.md P9): each row's first plan_count cells sorted by
+// source row, in place; rows of at most 2048 cells.
+void order_plan(Tensor plan_src, Tensor plan_dst, const Tensor& plan_count);
+
 // K3 (spec 5.3).
 void gather_plan(const Tensor& src, Tensor dst, const Tensor& src_rows,
                  const Tensor& dst_rows, const Tensor& mask,

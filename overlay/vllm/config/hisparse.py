@@ -51,6 +51,12 @@ class HiSparseConfig:
     automatically from the parallel setup; True fails at startup when the
     setup is not eligible; False forces a private pool per rank."""
 
+    order_misses: bool | None = None
+    """Sort each step's host misses by host address before gathering them
+    (random reads of a large pinned pool run far below the link). None
+    turns it on when a layer's host array is 2 GiB or more; True requires
+    an index_topk of at most 2048."""
+
     @field_validator("host_pool_gib")
     @classmethod
     def _check_host_pool_gib(cls, value: float | None) -> float | None:
@@ -122,6 +128,8 @@ class HiSparseConfig:
           window (cap_res), i.e. how many GPU blocks a request holds.
         - ``shared_host_pool`` (left out): host pool topology (which TP rank
           writes, the OS-page rounded stride), outside the forward.
+        - ``order_misses`` (left out): one more launch inside the sparse
+          attention op (the order of the same copies); no shape changes.
         """
         from vllm.config.utils import hash_factors
 

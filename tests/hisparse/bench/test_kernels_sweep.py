@@ -38,7 +38,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 def test_defaults_keep_the_single_pinned_pool(bk):
     args = bk.parse_args([])
     assert args.pool_gibs == [4.0] and args.pool_gib == 4.0
-    assert args.pool_alloc == "pinned" and args.order == "plan,sorted"
+    assert args.pool_alloc == "pinned" and args.order == "plan,sorted,k6"
     assert bk.pool_sweep(args) == [("pinned", 4.0)]
     assert bk.pool_sweep(bk.parse_args(["--skip-gather"])) == []
 
@@ -274,3 +274,10 @@ def test_p9_verdict(bk):
     assert not v["met"] and bk.p9_line(v).startswith("P9 NOT met")
     v = bk.p9_verdict(pools[:1])
     assert not v["evaluated"] and "16 GiB" in v["reason"]
+    # With K6 measured, serving's order is K6's (order_misses at these
+    # pools): it alone decides.
+    v = bk.p9_verdict([pool_entry("thp", 16, {"plan": 0.64, "sorted": 0.91, "k6": 0.88})])
+    assert v["served_order"] == "k6" and v["met"]
+    assert bk.p9_line(v).startswith("P9 met (the k6 order's")
+    v = bk.p9_verdict([pool_entry("thp", 16, {"plan": 0.95, "k6": 0.7})])
+    assert not v["met"]

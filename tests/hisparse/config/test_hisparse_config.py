@@ -124,7 +124,8 @@ def test_enabled_changes_the_hash():
 def test_hash_covers_only_graph_shaping_fields():
     """issue 10 part 4: the compile-cache hash keeps only what shapes the
     attention path. Resizing the host pool, or the scheduler/runtime knobs
-    (eager_host_mirror, admission_max_tokens, shared_host_pool), must not
+    (eager_host_mirror, admission_max_tokens, shared_host_pool,
+    order_misses), must not
     invalidate the torch.compile cache; device_buffer_size (H, the width of
     the per-request hot-slot tensors) must."""
     base = {"host_pool_gib": 64}
@@ -133,6 +134,7 @@ def test_hash_covers_only_graph_shaping_fields():
         {"host_pool_gib": 64, "eager_host_mirror": False},
         {"host_pool_gib": 64, "admission_max_tokens": 4096},
         {"host_pool_gib": 64, "shared_host_pool": True},
+        {"host_pool_gib": 64, "order_misses": True},
     ]
     for fields in same:
         assert HiSparseConfig(**fields).compute_hash() == HiSparseConfig(

@@ -3,6 +3,7 @@
 parsing, engine order, plans, the pool sizes against the real layout's
 startup minimum, and the env each engine starts with."""
 
+import copy
 import dataclasses
 
 import e2e_workload as wl
@@ -315,3 +316,14 @@ def test_queued_failures_names_each_masked_exception_once():
     assert "drafter's first pass" in found[0] and "execute failed" in found[1]
     no_core = SimpleNamespace(llm_engine=SimpleNamespace())
     assert e2e.queued_failures(no_core) == []
+
+
+def test_the_ordered_engine_forces_k6_and_nothing_else():
+    """P9 (K6): ``on_ordered`` is ``on_c2k`` with order_misses forced on (the
+    gate's pools are below the 2 GiB-per-layer default), compared with the
+    same off engine and replay."""
+    spec, base = copy.deepcopy(SPECS["on_ordered"]), SPECS["on_c2k"]
+    assert spec["hisparse"].pop("order_misses") is True
+    assert spec == base and e2e.REFERENCE["on_ordered"] == "off_c2k"
+    kw = e2e.llm_kwargs(SPECS["on_ordered"], {m: "/m" for m in e2e.MODEL_DIRS})
+    assert kw["attention_config"].hisparse_config.order_misses is True

@@ -834,3 +834,32 @@ def test_k5b_mirror_descriptors_equal_the_literal_rule(first, n):
             assert int(c["dst"][i]) == int(c["dst_base"][l]) + hh * W
             assert int(c["nbytes"][i]) == (W if r >= 0 and h >= 0 else 0)
     assert (c["nbytes"][L * n:] == -7).all()
+
+
+def test_k6_order_plan_sorts_each_row_by_source_and_keeps_the_pairs():
+    """P9 / INV-36: K6 sorts each row's first clamp(count, 0, K) cells by
+    source row (the host address K2 reads), carrying each destination with
+    its source; cells past the count are untouched; K2 then writes exactly
+    what it wrote from K1's order."""
+    g = torch.Generator().manual_seed(3)
+    rows, K = 5, 16
+    plan_src = torch.stack([torch.randperm(1000, generator=g)[:K] for _ in range(rows)]).to(
+        torch.int32)
+    plan_dst = torch.stack([torch.randperm(40, generator=g)[:K] for _ in range(rows)]).to(
+        torch.int32)
+    plan_dst[1, 2] = -1  # a tripped miss keeps its cell
+    plan_count = t32([K, 0, 1, 7, K + 5])
+    plan_count[1] = 9
+    ps, pd = plan_src.clone(), plan_dst.clone()
+    reference.ref_order_plan(ps, pd, plan_count)
+    for r, n in enumerate(plan_count.clamp(0, K).tolist()):
+        assert ps[r, :n].tolist() == sorted(plan_src[r, :n].tolist())
+        assert sorted(zip(ps[r, :n].tolist(), pd[r, :n].tolist())) == sorted(
+            zip(plan_src[r, :n].tolist(), plan_dst[r, :n].tolist()))
+        assert torch.equal(ps[r, n:], plan_src[r, n:]) and torch.equal(pd[r, n:], plan_dst[r, n:])
+    src = random_rows(1000, 32, g)
+    _, want = _strided_dst(10, 4, 32)
+    _, got = _strided_dst(10, 4, 32)
+    reference.ref_gather_compact(src, want, plan_src, plan_dst, plan_count)
+    reference.ref_gather_compact(src, got, ps, pd, plan_count)
+    assert torch.equal(want, got)

@@ -546,3 +546,33 @@ def test_k5b_capture_after_the_first_call_only(gpu_kernels):
     reference.ref_mirror_descriptors(**want, first=3, n=50)
     for name in ("src", "dst", "nbytes"):
         assert_same_tensor(name, got[name].cpu(), want[name])
+
+
+@pytest.mark.parametrize("top_k", [2, 40, 256, 2048])
+def test_k6_order_plan_matches_reference(gpu_kernels, top_k):
+    """P9 / INV-36: K6 equals the reference bit for bit: each row's first
+    clamp(count, 0, K) cells sorted by source row with its destination,
+    cells past the count untouched; counts negative, 0, 1, mid, K, > K;
+    distinct sources per row as K1 plans them (tripped cells dst -1)."""
+    gen = torch.Generator().manual_seed(top_k)
+    rows, host_rows = 7, 1 << 20
+    ps = torch.stack([torch.randperm(host_rows, generator=gen)[:top_k]
+                      for _ in range(rows)]).to(I32)
+    pd = torch.randint(-1, 5000, (rows, top_k), generator=gen, dtype=I32)
+    pc = torch.tensor([-3, 0, 1, top_k // 2, top_k, top_k + 9, max(top_k - 1, 0)],
+                      dtype=I32)
+    want_s, want_d = ps.clone(), pd.clone()
+    reference.ref_order_plan(want_s, want_d, pc)
+    got_s, got_d = ps.to(CUDA), pd.to(CUDA)
+    gpu_kernels.order_plan(got_s, got_d, pc.to(CUDA))
+    torch.cuda.synchronize()
+    assert_same_tensor("plan_src", got_s.cpu(), want_s)
+    assert_same_tensor("plan_dst", got_d.cpu(), want_d)
+
+
+def test_k6_order_plan_refuses_rows_past_its_capacity(gpu_kernels):
+    """K6 sorts a row in one CTA's shared memory: rows of more than 2048
+    cells are refused with a message, not launched."""
+    plan = torch.zeros(1, 4096, dtype=I32, device=CUDA)
+    with pytest.raises(ValueError, match="at most 2048"):
+        gpu_kernels.order_plan(plan, plan.clone(), torch.ones(1, dtype=I32, device=CUDA))

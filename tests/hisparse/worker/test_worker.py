@@ -550,3 +550,38 @@ def test_an_optimistic_length_never_stages_a_lookahead_page():
     sa = rt.geometry.attention_block_stride
     assert rows[3, :3].tolist() == [n * sa + 3, 4 * sa + 80 - B, 9 * sa + 128 - 2 * B]
     rig.worker.finish_forward()
+
+
+def _decode_with_misses(order_misses: bool):
+    rig = WorkerRig(freq=2, order_misses=order_misses)
+    rt, layers = rig.rt, rig.layout.sparse_layers
+    rig.place(0, resident=[0, 0], host=[5, 6], hot=[20, 21])
+    for name in layers:
+        fill_pattern(rt.layers[name].host[5 * B:7 * B], seed=len(name) + ord(name[-6]))
+    fill_slab(rig)
+    rig.batch.schedule(computed=[120], scheduled=[1])
+    md = attn_metadata(rig.batch, 1, 1)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]),
+                                   hot_region_requests=["r0"]), md)
+    topk = torch.full((1, 64), -1, dtype=torch.int32)
+    topk[0, :6] = torch.tensor([119, 70, 64, 40, 9, 2], dtype=torch.int32)  # descending rows
+    leader, follower = layers[1], layers[2]
+    rows, counts = rt.decode_rows(leader, 1, topk, md.seq_lens, md.block_table)
+    plan = rt.workspace.plan_src[0, :int(rt.workspace.plan_count[0])].tolist()
+    rt.decode_rows(follower, 1, topk, md.seq_lens, md.block_table)
+    hot = {n: rt.layers[n].resident[20:22].clone() for n in (leader, follower)}
+    rig.worker.finish_forward()
+    return rows.clone(), counts.clone(), plan, hot
+
+
+def test_ordered_misses_gather_the_same_rows_in_host_order():
+    """P9 / INV-36 (K6, hisparse_config.order_misses): with the plan sorted
+    by host row, K1's misses are gathered in address order, and the rows the
+    attention reads, their counts and every hot byte of leader and follower
+    are those of K1's own order."""
+    rows, counts, plan, hot = _decode_with_misses(order_misses=False)
+    o_rows, o_counts, o_plan, o_hot = _decode_with_misses(order_misses=True)
+    assert len(plan) == 6 and plan != sorted(plan)  # K1's order: first reference
+    assert o_plan == sorted(plan)
+    assert torch.equal(rows, o_rows) and torch.equal(counts, o_counts)
+    assert all(torch.equal(hot[n], o_hot[n]) for n in hot)

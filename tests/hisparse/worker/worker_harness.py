@@ -40,11 +40,12 @@ W = 656
 
 
 class ReferenceOps:
-    """The six ops with the launchers' signatures, on the CPU references."""
+    """The seven ops with the launchers' signatures, on the CPU references."""
 
     resolve_residency = staticmethod(reference.ref_resolve)
 
     gather_compact = staticmethod(reference.ref_gather_compact)
+    order_plan = staticmethod(reference.ref_order_plan)
 
     @staticmethod
     def gather_plan(src, dst, src_rows, dst_rows, mask, req_state=None,
@@ -279,7 +280,7 @@ class WorkerRig:
                  pool: HostPool | None = None, tables=None, ops=ReferenceOps,
                  page_copy=reference.ref_copy_descriptors, rank: int = 0,
                  device: str = "cpu", max_num_seqs: int = 8,
-                 max_num_tokens: int = 512) -> None:
+                 max_num_tokens: int = 512, order_misses: bool = False) -> None:
         if config is None:
             config = tiny_config(freq=freq, index_topk=topk,
                                  staging_blocks=staging_blocks)
@@ -293,7 +294,8 @@ class WorkerRig:
             tables = Batch(len(self.layout.kv_cache_groups), device=device)
         self.batch = tables
         self.rt = make_runtime(self.config, self.slab, self.pool, self.batch, ops,
-                               max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens)
+                               max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+                               order_misses=order_misses)
         self.worker = HiSparseWorker(
             self.rt, self.pool, slab=self.slab, rank=rank, eager_host_mirror=eager,
             page_copy=page_copy, streams=streams)

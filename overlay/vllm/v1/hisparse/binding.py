@@ -222,6 +222,7 @@ def make_runtime(
     max_num_seqs: int,
     max_num_tokens: int,
     runner_views: Mapping[str, torch.Tensor] | None = None,
+    order_misses: bool = False,
 ) -> HiSparseRuntime:
     """The runtime (C7) over a slab and a host pool (also used by tests)."""
     layout = config.layout
@@ -258,6 +259,7 @@ def make_runtime(
         tables=tables,
         ops=ops,
         device=slab.device,
+        order_misses=order_misses,
     )
 
 
@@ -279,7 +281,10 @@ def bind_runtime(
         has_kv_transfer_group,
     )
     from vllm.v1.hisparse import kernels
-    from vllm.v1.hisparse.config_checks import resolve_host_pool_gib
+    from vllm.v1.hisparse.config_checks import (
+        resolve_host_pool_gib,
+        resolve_order_misses,
+    )
     from vllm.v1.hisparse.drafter import attach_drafter
     from vllm.v1.hisparse.host_pool import acquire_host_pool
     from vllm.v1.hisparse.index_groups import HiSparseLayerBinding
@@ -303,6 +308,12 @@ def bind_runtime(
         host_pool_gib=resolve_host_pool_gib(runner.vllm_config),
     )
     scheduler_config = runner.vllm_config.scheduler_config
+    hisparse_config = runner.vllm_config.attention_config.hisparse_config
+    order_misses = resolve_order_misses(
+        hisparse_config.order_misses,
+        host_pool.plan.layer_array_bytes,
+        layout.index_topk,
+    )
     runtime = make_runtime(
         kv_cache_config,
         slab,
@@ -312,8 +323,8 @@ def bind_runtime(
         max_num_seqs=scheduler_config.max_num_seqs,
         max_num_tokens=scheduler_config.max_num_batched_tokens,
         runner_views=kv_caches,
+        order_misses=order_misses,
     )
-    hisparse_config = runner.vllm_config.attention_config.hisparse_config
     worker = HiSparseWorker(
         runtime,
         host_pool,
@@ -344,12 +355,14 @@ def bind_runtime(
     g = runtime.geometry
     logger.info(
         "HiSparse enabled: index_topk=%d, device_buffer_size=%d, "
-        "max_decode_query_len=%d, eager_host_mirror=%s, %d index group(s), "
+        "max_decode_query_len=%d, eager_host_mirror=%s, order_misses=%s, "
+        "%d index group(s), "
         "resolver workspace %d rows, %.1f MiB of worker GPU state.",
         g.index_topk,
         g.device_buffer_size,
         g.max_decode_query_len,
         hisparse_config.eager_host_mirror,
+        order_misses,
         len(runtime.groups),
         g.workspace_rows,
         held / MiB,

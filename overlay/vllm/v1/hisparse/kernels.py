@@ -34,9 +34,11 @@ import os
 import torch
 
 LIBRARY_ENV = "HISPARSE_OPS_LIBRARY"
-REQUIRED_OPS = ("resolve_residency", "gather_compact", "gather_plan",
-                "invalidate_written_slots", "copy_descriptors",
+REQUIRED_OPS = ("resolve_residency", "gather_compact", "order_plan",
+                "gather_plan", "invalidate_written_slots", "copy_descriptors",
                 "mirror_descriptors")
+# K6 sorts a plan row in one CTA's shared memory (docs/kernels.md P9).
+ORDER_PLAN_MAX_CELLS = 2048
 MISSING_MESSAGE = ("HiSparse kernels are missing ({op}); install the "
                    "hisparse_ops extension built for this torch.")
 # Slot ids are int16 (lru), so a hot region holds at most 32768 rows.
@@ -356,6 +358,20 @@ def validate_gather_compact(src, dst, plan_src, plan_dst, plan_count, *,
     _check_dim(plan_count, "plan_count", 0, rows, "plan_src.shape[0]")
 
 
+def validate_order_plan(plan_src, plan_dst, plan_count, *,
+                        device: torch.device) -> None:
+    _check(plan_src, "plan_src", torch.int32, 2, device)
+    rows, top_k = plan_src.shape
+    _check(plan_dst, "plan_dst", torch.int32, 2, device)
+    _check_dim(plan_dst, "plan_dst", 0, rows, "plan_src.shape[0]")
+    _check_dim(plan_dst, "plan_dst", 1, top_k, "plan_src.shape[1]")
+    _check(plan_count, "plan_count", torch.int32, 1, device)
+    _check_dim(plan_count, "plan_count", 0, rows, "plan_src.shape[0]")
+    if top_k > ORDER_PLAN_MAX_CELLS:
+        raise ValueError(f"order_plan sorts rows of at most {ORDER_PLAN_MAX_CELLS} "
+                         f"cells (plan_src.shape[1] = {top_k})")
+
+
 def validate_gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
                          out_rows, attn_block_stride: int, *,
                          device: torch.device) -> None:
@@ -439,6 +455,16 @@ def resolve_residency(topk: torch.Tensor, row_req: torch.Tensor,
                              attn_block_stride, max_query_len, out_rows,
                              valid_counts, plan_src, plan_dst, plan_count,
                              miss_mask, resolved_g, stats)
+
+
+def order_plan(plan_src: torch.Tensor, plan_dst: torch.Tensor,
+               plan_count: torch.Tensor) -> None:
+    """K6: sort each row's first ``plan_count`` cells of K1's plan by
+    source row (host address) in place, so K2 reads the host pool in
+    address order (docs/kernels.md P9)."""
+    device = _require_cuda(plan_src, "plan_src")
+    validate_order_plan(plan_src, plan_dst, plan_count, device=device)
+    _ops().order_plan(plan_src, plan_dst, plan_count)
 
 
 def gather_compact(src: torch.Tensor, dst: torch.Tensor,

@@ -373,6 +373,19 @@ def ref_gather_compact(src: torch.Tensor, dst: torch.Tensor,
                plan_dst[use].to(torch.int64))
 
 
+def ref_order_plan(plan_src: torch.Tensor, plan_dst: torch.Tensor,
+                   plan_count: torch.Tensor) -> None:
+    """K6: each row's first clamp(plan_count[i], 0, K) cells sorted by
+    source row, in place (a row's sources are distinct, so the order is
+    unique); cells past the count untouched."""
+    K = plan_src.shape[1]
+    for i, n in enumerate(plan_count.to(torch.int64).clamp(0, K).tolist()):
+        if n > 1:
+            order = torch.argsort(plan_src[i, :n].to(torch.int64), stable=True)
+            plan_src[i, :n] = plan_src[i, :n][order]
+            plan_dst[i, :n] = plan_dst[i, :n][order]
+
+
 def ref_gather_plan(src: torch.Tensor, dst: torch.Tensor,
                     src_rows: torch.Tensor, dst_rows: torch.Tensor,
                     mask: torch.Tensor, req_state: torch.Tensor | None,

@@ -94,11 +94,12 @@ class BatchState(Protocol):
 
 
 class KernelOps(Protocol):
-    """The six HiSparse ops (``vllm.v1.hisparse.kernels`` on CUDA; the CPU
+    """The seven HiSparse ops (``vllm.v1.hisparse.kernels`` on CUDA; the CPU
     references of ``vllm.v1.hisparse.reference`` in CPU tests)."""
 
     resolve_residency: Callable[..., None]
     gather_compact: Callable[..., None]
+    order_plan: Callable[..., None]
     gather_plan: Callable[..., None]
     invalidate_written_slots: Callable[..., None]
     copy_descriptors: Callable[..., None]
@@ -328,8 +329,13 @@ class HiSparseRuntime:
         tables: BatchState,
         ops: KernelOps,
         device: torch.device,
+        order_misses: bool = False,
     ) -> None:
         self.geometry = geometry
+        self.order_misses = order_misses
+        """Sort each leader's miss plan by host row before the gathers (K6,
+        docs/kernels.md P9): random reads of a large host pool run far below
+        the link."""
         self.layers: dict[str, LayerViews] = {lv.name: lv for lv in layers}
         self.groups = tuple(groups)
         self.resident_group_ids = tuple(resident_group_ids)
@@ -666,6 +672,8 @@ class HiSparseRuntime:
                 group.stats,
                 num_gpu_blocks=g.num_gpu_blocks,
             )
+            if self.order_misses:
+                self.ops.order_plan(ws.plan_src[:nd], ws.plan_dst[:nd], ws.plan_count[:nd])
             ws.owner = group
         elif ws.owner is not group:
             raise RuntimeError(

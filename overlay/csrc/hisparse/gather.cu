@@ -214,17 +214,11 @@ void dispatch_width(int copy_width, Launch&& launch) {
 
 void gather_compact(const Tensor& src, Tensor dst, const Tensor& plan_src,
                     const Tensor& plan_dst, const Tensor& plan_count) {
-  using ST = ScalarType;
   STD_TORCH_CHECK(dst.is_cuda(), "dst must be a CUDA tensor");
   const int device = dst.get_device_index();
-  check_cuda(plan_src, "plan_src", ST::Int, 2, device);
-  const int64_t rows = plan_src.size(0);
-  const int64_t top_k = plan_src.size(1);
-  check_cuda(plan_dst, "plan_dst", ST::Int, 2, device);
-  check_size(plan_dst, "plan_dst", 0, rows, "plan_src.size(0)");
-  check_size(plan_dst, "plan_dst", 1, top_k, "plan_src.size(1)");
-  check_cuda(plan_count, "plan_count", ST::Int, 1, device);
-  check_size(plan_count, "plan_count", 0, rows, "plan_src.size(0)");
+  const PlanShape plan = check_plan(plan_src, plan_dst, plan_count, device);
+  const int64_t rows = plan.rows;
+  const int64_t top_k = plan.top_k;
   const torch::stable::accelerator::DeviceGuard guard(device);
   const ByteViews v = check_byte_views(src, dst, device);
   if (rows == 0 || top_k == 0 || v.dst.rows == 0) return;

@@ -76,17 +76,11 @@ __global__ void __launch_bounds__(kOrderThreads)
 }  // namespace
 
 void order_plan(Tensor plan_src, Tensor plan_dst, const Tensor& plan_count) {
-  using ST = ScalarType;
   STD_TORCH_CHECK(plan_src.is_cuda(), "plan_src must be a CUDA tensor");
   const int device = plan_src.get_device_index();
-  check_cuda(plan_src, "plan_src", ST::Int, 2, device);
-  const int64_t rows = plan_src.size(0);
-  const int64_t top_k = plan_src.size(1);
-  check_cuda(plan_dst, "plan_dst", ST::Int, 2, device);
-  check_size(plan_dst, "plan_dst", 0, rows, "plan_src.size(0)");
-  check_size(plan_dst, "plan_dst", 1, top_k, "plan_src.size(1)");
-  check_cuda(plan_count, "plan_count", ST::Int, 1, device);
-  check_size(plan_count, "plan_count", 0, rows, "plan_src.size(0)");
+  const PlanShape plan = check_plan(plan_src, plan_dst, plan_count, device);
+  const int64_t rows = plan.rows;
+  const int64_t top_k = plan.top_k;
   STD_TORCH_CHECK(top_k <= kOrderMaxCells, "order_plan sorts rows of at most ",
                   kOrderMaxCells, " cells (plan_src.size(1) = ", top_k, ")");
   const torch::stable::accelerator::DeviceGuard guard(device);

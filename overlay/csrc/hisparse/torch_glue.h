@@ -58,6 +58,25 @@ inline void check_size(const Tensor& t, const char* name, int64_t d,
                   what, " = ", expected, " (found ", t.size(d), ")");
 }
 
+// K1's miss plan as K2 and K6 take it: plan_src/plan_dst int32 [rows, K],
+// plan_count int32 [rows], on `device`. Returns {rows, K}.
+struct PlanShape {
+  int64_t rows;
+  int64_t top_k;
+};
+
+inline PlanShape check_plan(const Tensor& plan_src, const Tensor& plan_dst,
+                            const Tensor& plan_count, int device) {
+  check_cuda(plan_src, "plan_src", ScalarType::Int, 2, device);
+  const PlanShape p{plan_src.size(0), plan_src.size(1)};
+  check_cuda(plan_dst, "plan_dst", ScalarType::Int, 2, device);
+  check_size(plan_dst, "plan_dst", 0, p.rows, "plan_src.size(0)");
+  check_size(plan_dst, "plan_dst", 1, p.top_k, "plan_src.size(1)");
+  check_cuda(plan_count, "plan_count", ScalarType::Int, 1, device);
+  check_size(plan_count, "plan_count", 0, p.rows, "plan_src.size(0)");
+  return p;
+}
+
 inline cudaStream_t current_stream(int device) {
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));

@@ -346,9 +346,9 @@ def validate_byte_views(src: torch.Tensor, dst: torch.Tensor, *,
         raise ValueError("dst.shape[1] (block_size) must be >= 1")
 
 
-def validate_gather_compact(src, dst, plan_src, plan_dst, plan_count, *,
-                            device: torch.device) -> None:
-    validate_byte_views(src, dst, device=device)
+def validate_plan(plan_src, plan_dst, plan_count, *,
+                  device: torch.device) -> tuple[int, int]:
+    """K1's miss plan as K2 and K6 take it; returns (rows, K)."""
     _check(plan_src, "plan_src", torch.int32, 2, device)
     rows, top_k = plan_src.shape
     _check(plan_dst, "plan_dst", torch.int32, 2, device)
@@ -356,17 +356,18 @@ def validate_gather_compact(src, dst, plan_src, plan_dst, plan_count, *,
     _check_dim(plan_dst, "plan_dst", 1, top_k, "plan_src.shape[1]")
     _check(plan_count, "plan_count", torch.int32, 1, device)
     _check_dim(plan_count, "plan_count", 0, rows, "plan_src.shape[0]")
+    return rows, top_k
+
+
+def validate_gather_compact(src, dst, plan_src, plan_dst, plan_count, *,
+                            device: torch.device) -> None:
+    validate_byte_views(src, dst, device=device)
+    validate_plan(plan_src, plan_dst, plan_count, device=device)
 
 
 def validate_order_plan(plan_src, plan_dst, plan_count, *,
                         device: torch.device) -> None:
-    _check(plan_src, "plan_src", torch.int32, 2, device)
-    rows, top_k = plan_src.shape
-    _check(plan_dst, "plan_dst", torch.int32, 2, device)
-    _check_dim(plan_dst, "plan_dst", 0, rows, "plan_src.shape[0]")
-    _check_dim(plan_dst, "plan_dst", 1, top_k, "plan_src.shape[1]")
-    _check(plan_count, "plan_count", torch.int32, 1, device)
-    _check_dim(plan_count, "plan_count", 0, rows, "plan_src.shape[0]")
+    _, top_k = validate_plan(plan_src, plan_dst, plan_count, device=device)
     if top_k > ORDER_PLAN_MAX_CELLS:
         raise ValueError(f"order_plan sorts rows of at most {ORDER_PLAN_MAX_CELLS} "
                          f"cells (plan_src.shape[1] = {top_k})")

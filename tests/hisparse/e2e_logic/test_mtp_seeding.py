@@ -132,7 +132,7 @@ def test_no_drafter_nothing_to_seed():
     assert si.worker_fingerprint(Worker(tgt, None)) == si.fingerprint(tgt)
 
 
-@pytest.mark.parametrize("variant", ["n02", "qk4_o4"])
+@pytest.mark.parametrize("variant", ["n02", "qk4_o4", "mtp_e10"])
 def test_plugin_and_rpc_paths_give_the_drafter_the_same_bytes(variant):
     """T1 across `vllm serve` (the hisparse_seeded plugin seeds the whole
     drafter at load, before sharing replaces its embed_tokens and heads) and
@@ -168,3 +168,22 @@ def test_the_fingerprint_covers_the_drafters_own_bytes():
     assert before["digest"] != after["digest"]
     assert si.differing_params([before], [after]) == [si.DRAFTER_PREFIX + name]
     assert si.fingerprint(w.model) == si.fingerprint(seeded_worker().model)
+
+
+def test_an_mtp_variant_passes_the_embedding_through_eh_proj():
+    """E2E-5 G2 (runs 21, 24: the n02 drafter never agreed): an MTP variant
+    draws eh_proj as every matrix, then makes its embedding half the
+    identity and scales the embedding, so the drafter sees the next token
+    the way the target's residual stream does; n02 keeps eh_proj drawn."""
+    w = seeded_worker("mtp_e10")
+    si.apply_drafter(w, "mtp_e10")
+    e = dict(w.draft.named_parameters())["model.layers.3.eh_proj.weight"].float()
+    assert torch.equal(e[:, :H], torch.eye(H))
+    assert 0.001 < e[:, H:].std().item() < 0.003  # eh_proj x 0.1
+    emb = dict(w.model.named_parameters())["model.embed_tokens.weight"].float()
+    assert 0.1 < emb.std().item() < 0.3  # embed_tokens x 10
+    n02 = seeded_worker("n02")
+    si.apply_drafter(n02, "n02")
+    e = dict(n02.draft.named_parameters())["model.layers.3.eh_proj.weight"].float()
+    assert not torch.equal(e[:, :H], torch.eye(H))
+    assert si.variant("mtp_e30").embed_pass and si.DEFAULT_VARIANT == "n02"

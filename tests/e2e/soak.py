@@ -27,12 +27,15 @@ Runs ON the GPU host (after ``eval "$(scripts/test-gpu.sh --print-env)"``):
    replay's scheduler takes exactly those steps (schedule_replay.py,
    docs/worker.md K28: vLLM's kernels are not batch-invariant, so only the
    same batches can be compared bit for bit); plus the init's sensitivity
-   control;
+   control; a twin replay (a second off engine, started once the first has
+   compiled) follows the same schedule: the off arm's own determinism at
+   the soak's batches, without which a difference proves nothing;
 7. writes DIR/soak.json: the replay reproduced the server's schedule, every
    completed request's tokens and logprobs equal bit for bit, no restart,
    no leak.
 
 usage: python3 tests/e2e/soak.py --out DIR [--duration 360] [--variant NAME] [--audit]
+                                 [--no-twin]
 """
 
 from __future__ import annotations
@@ -399,10 +402,15 @@ async def drain(server: Server, http, timeout: float = 30.0) -> float:
 # ------------------------------------------------------------ the replay
 
 
-def replay_command(a, work: Path) -> list[str]:
+def replay_command(a, work: Path, twin: bool = False) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--replay-worker",
             "--out", str(a.out), "--work", str(work), "--model", str(a.model),
-            "--variant", a.variant, "--deadline", str(a.deadline)]
+            "--variant", a.variant, "--deadline", str(a.deadline)] + (
+                ["--twin"] if twin else [])
+
+
+def replay_file(twin: bool) -> str:
+    return "replay_twin.json" if twin else "replay.json"
 
 
 REPLAY_KV_BYTES = 16 << 30
@@ -414,7 +422,10 @@ def replay_worker(a) -> int:
     """The off arm, in its own process: build the engine, follow the
     server's schedule while the load runs (``follow``), then measure the
     init's sensitivity and check that the plugin's weights equal
-    apply_model's."""
+    apply_model's. The twin (``--twin``) only follows: a second off engine
+    on the same schedule, whose records must equal the first's bit for bit
+    (the off arm's own determinism at the soak's batches, the control
+    without which a HiSparse-vs-off difference proves nothing)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, str(PLUGIN))
     os.environ[seeded_init.VARIANT_ENV] = a.variant
@@ -434,22 +445,33 @@ def replay_worker(a) -> int:
               kv_cache_memory_bytes=REPLAY_KV_BYTES, gpu_memory_utilization=0.45)
     out: dict = {"init_s": round(time.time() - t0, 1),
                  "defaults": run_e2e.resolved_defaults(llm)}
-    (work / "replay.ready").write_text("ok")
+    if not a.twin:
+        # The twin starts now, on this engine's compile cache (two engines
+        # compiling into one cache at once could race).
+        (work / "replay.ready").write_text("ok")
     try:
         out.update(follow(llm, work, a.deadline - 30))
         out["drained"] = drain_engine(llm)
+        if a.twin:
+            raise _TwinDone
         out["weights_fingerprint_plugin"] = digest(llm)
         # Both below re-initialise through apply_model: after the replay only.
         if time.time() < a.deadline - 20:
             out["sensitivity"] = run_e2e.measure_sensitivity(llm, [a.variant])
         run_e2e.apply_variant(llm, a.variant)
         out["weights_fingerprint_apply_model"] = digest(llm)
+    except _TwinDone:
+        pass
     except Exception:  # noqa: BLE001 - the records so far still reach soak.json
         import traceback
 
         out["error"] = traceback.format_exc()[-4000:]
-    (work / "replay.json").write_text(json.dumps(out))
+    (work / replay_file(a.twin)).write_text(json.dumps(out))
     return 0
+
+
+class _TwinDone(Exception):
+    """The twin replay stops after following (no controls of its own)."""
 
 
 def drain_engine(llm) -> int:
@@ -568,6 +590,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8111)
     ap.add_argument("--replay-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--twin", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-twin", action="store_true",
+                    help="skip the second off-arm replay (the off arm's determinism "
+                    "control; it costs a second engine's GPU time and 16 GiB)")
     a = ap.parse_args(argv)
     seeded_init.variant(a.variant)
     if a.duration < 360 and not a.replay_worker:
@@ -587,14 +613,14 @@ async def soak(a) -> dict:
                     work / "trace.jsonl", audit=a.audit)
     report["mirror_audit"] = a.audit
     report["command"] = " ".join(server.command)
-    replay = None
+    replays: dict[bool, subprocess.Popen] = {}
     try:
         async with httpx.AsyncClient(timeout=30) as http:
             report["server_ready_s"] = round(await server.wait_ready(http, 240), 1)
             report["idle_before"] = await idle_state(server, http)
-            replay = subprocess.Popen(replay_command(a, work), env=child_env(a.variant),
-                                      stdout=open(out / "soak_replay.log", "w"),
-                                      stderr=subprocess.STDOUT)
+            replays[False] = start_replay(a, work, out, twin=False)
+            twin_task = None if a.no_twin else asyncio.create_task(
+                start_twin_when_ready(a, work, out, replays))
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY",
                                         max_retries=0, timeout=300)
             feed = Feed(work / "requests.jsonl")
@@ -618,10 +644,12 @@ async def soak(a) -> dict:
                                       report["idle_before"]["metrics"],
                                       report.get("idle_after", {}).get("metrics", {}))}
             results = load.results
+            if twin_task is not None:
+                twin_task.cancel()  # not started by now: reported below
         report["log"] = logic.scan_log(server.log_text())
     except BaseException:
-        if replay is not None:
-            replay.kill()  # it would hold the GPU until its deadline
+        for proc in replays.values():
+            proc.kill()  # it would hold the GPU until its deadline
         keep_inputs(work, out)
         raise
     finally:
@@ -629,9 +657,27 @@ async def soak(a) -> dict:
         server.stop()
     report["server_alive_at_end"] = server_alive
     feed.end()
-    report["replay"] = wait_replay(work, replay, a.deadline)
+    report["replay"] = wait_replay(work, replays.get(False), a.deadline)
+    if not a.no_twin:
+        report["replay_twin"] = (
+            wait_replay(work, replays[True], a.deadline, twin=True) if True in replays
+            else {"records": {}, "error": "the twin replay never started"})
     keep_inputs(work, out)
     return finish(report, results)
+
+
+def start_replay(a, work: Path, out: Path, twin: bool) -> subprocess.Popen:
+    log_name = "soak_replay_twin.log" if twin else "soak_replay.log"
+    return subprocess.Popen(replay_command(a, work, twin), env=child_env(a.variant),
+                            stdout=open(out / log_name, "w"), stderr=subprocess.STDOUT)
+
+
+async def start_twin_when_ready(a, work: Path, out: Path, replays: dict) -> None:
+    """The twin replay, once the first has built its engine (its compile
+    cache is then there to load)."""
+    while not (work / "replay.ready").exists():
+        await asyncio.sleep(1)
+    replays[True] = start_replay(a, work, out, twin=True)
 
 
 def keep_inputs(work: Path, out: Path) -> None:
@@ -667,8 +713,8 @@ class Feed:
         self.file.close()
 
 
-def wait_replay(work: Path, proc, deadline: float) -> dict:
-    path = work / "replay.json"
+def wait_replay(work: Path, proc, deadline: float, twin: bool = False) -> dict:
+    path = work / replay_file(twin)
     while proc is not None and proc.poll() is None and time.time() < deadline:
         time.sleep(1)
     if not path.exists():
@@ -688,6 +734,12 @@ def finish(report: dict, results: list[dict]) -> dict:
     report["requests"] = asdict(logic.traffic(results))
     report["mismatches"] = logic.compare_records(replayed, server)
     report["mismatches"]["compared_of"] = len(server)
+    if "replay_twin" in report:
+        # The off arm against itself: the same schedule, another engine.
+        twin = report.pop("replay_twin")
+        report["replay_determinism"] = {
+            **logic.compare_records(replayed, twin.get("records", {})),
+            "twin_diverged": twin.get("diverged"), "twin_error": twin.get("error")}
     report["replay_schedule"] = {
         "followed": bool(followed) and steps == followed and rep.get("diverged") is None,
         "steps": [len(followed), len(steps)], "diverged": rep.get("diverged"),
@@ -753,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    for stale in ("requests.jsonl", "trace.jsonl", "replay.json", "replay.ready"):
+    for stale in ("requests.jsonl", "trace.jsonl", "replay.json", "replay_twin.json",
+                  "replay.ready"):
         (work / stale).unlink(missing_ok=True)
     if not (Path(a.model) / "config.json").exists():
         subprocess.run([sys.executable, str(HERE / "make_tiny_glm5.py"), str(a.model),

@@ -397,6 +397,13 @@ def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> d
             if k.startswith("vllm:hisparse_") and k.endswith("_total")}
 
 
+def _self_consistent(d: Mapping[str, Any]) -> bool:
+    """The twin replay's records equal the replay's, bit for bit, over a
+    non-empty set (the off arm is deterministic at the soak's batches)."""
+    return (d["compared"] > 0 and d["token_mismatches"] == 0
+            and d["logprob_mismatches"] == 0 and d["max_abs_logprob_diff"] == 0.0)
+
+
 def verdict(report: Mapping[str, Any]) -> dict[str, bool]:
     """The soak's checks (R5); each one can fail."""
     t, m, r = report["requests"], report["mismatches"], report["replay_schedule"]
@@ -418,5 +425,7 @@ def verdict(report: Mapping[str, Any]) -> dict[str, bool]:
                                 for k in ("tracebacks", "errors", "audit_mismatch")),
         "no_leaks": report["leaks"] == 0,
         "sensitive_init": bool(report.get("sensitivity", {}).get("meets")),
+        **({"replay_deterministic": _self_consistent(report["replay_determinism"])}
+           if "replay_determinism" in report else {}),
         "init_paths_agree": report.get("init_paths_agree") is True,
     }

@@ -4,6 +4,7 @@
 
 import copy
 import json
+import math
 import random
 import struct
 from dataclasses import dataclass
@@ -347,3 +348,35 @@ def test_the_audit_reaches_only_the_server():
     assert soak.child_env("n02", audit=True)[soak.DEBUG_ENV] == "1"
     assert soak.DEBUG_ENV not in soak.child_env("n02")
     assert soak.parse_args(["--out", "x", "--audit"]).audit
+
+
+def test_the_twin_replay_is_the_off_arms_determinism_control():
+    """R5 / T1: a second off engine follows the same schedule; its records
+    must equal the first replay's bit for bit, else the off arm is not
+    deterministic at the soak's batches and a HiSparse-vs-off difference
+    proves nothing (the check fails and says so). Without the twin
+    (--no-twin) there is no such check, rather than one that cannot fail."""
+    report, results = good_run()
+    report["replay_twin"] = {"records": copy.deepcopy(report["replay"]["records"])}
+    out = soak.finish(report, results)
+    assert out["checks"]["replay_deterministic"] and out["pass"]
+    assert out["replay_determinism"]["compared"] == 4
+
+    report, results = good_run()
+    twin = copy.deepcopy(report["replay"]["records"])
+    rid = sorted(twin)[0]
+    sampled = float.fromhex(twin[rid]["positions"][0][0])
+    twin[rid]["positions"][0][0] = math.nextafter(sampled, 0.0).hex()  # one ulp
+    report["replay_twin"] = {"records": twin}
+    out = soak.finish(report, results)
+    assert not out["checks"]["replay_deterministic"] and not out["pass"]
+
+    report, results = good_run()
+    report["replay_twin"] = {"records": {}, "error": "boom"}
+    assert not soak.finish(report, results)["checks"]["replay_deterministic"]
+
+    report, results = good_run()
+    assert "replay_deterministic" not in soak.finish(report, results)["checks"]
+    assert soak.parse_args(["--out", "x", "--no-twin"]).no_twin
+    cmd = soak.replay_command(soak.parse_args(["--out", "x"]), soak.Path("/w"), twin=True)
+    assert cmd[-1] == "--twin" and soak.replay_file(True) == "replay_twin.json"

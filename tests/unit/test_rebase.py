@@ -70,6 +70,16 @@ def removed_line(name: str) -> tuple[str, str]:
     raise AssertionError(f"{name} removes no line")
 
 
+def removes_a_line(name: str) -> bool:
+    text = (ROOT / f"patches/{name}.patch").read_text().splitlines()
+    return any(ln.startswith("-") and not ln.startswith("---") for ln in text)
+
+
+# The patch the synthetic release conflicts with: the first after SERIES[0]
+# (whose context it shifts) that removes a line, in another file's hunk.
+CONFLICTED = next(n for n in SERIES[1:] if removes_a_line(n))
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory) -> Path:
     subprocess.run([str(ROOT / "scripts/fetch.sh")], check=True, cwd=ROOT, stdout=subprocess.PIPE)
@@ -86,8 +96,8 @@ def synthetic(tmp_path_factory) -> Path:
     assert lines[start - 1].rstrip("\n") == old[0][1:]
     lines[start - 1] = lines[start - 1].rstrip("\n") + "  # 9.9.9\n"
     (tree / path).write_text("".join(lines))
-    # 2. a line the third patch removes changes upstream: a real conflict
-    cpath, removed = removed_line(SERIES[2])
+    # 2. a line a later patch removes changes upstream: a real conflict
+    cpath, removed = removed_line(CONFLICTED)
     text = (tree / cpath).read_text()
     assert removed in text
     (tree / cpath).write_text(text.replace(removed, removed + "  # changed in 9.9.9", 1))
@@ -122,15 +132,15 @@ def test_synthetic_release_report(synthetic: Path, tmp_path: Path):
     d = json.loads((report / "summary.json").read_text())
     cat = {p["patch"]: p for p in d["patches"]}
     assert cat[SERIES[0]]["git_am"] == "3way" and cat[SERIES[0]]["category"] == "needed work"
-    assert cat[SERIES[2]]["category"] == "conflict"
-    assert cat[SERIES[2]]["conflict_files"] == [removed_line(SERIES[2])[0]]
+    assert cat[CONFLICTED]["category"] == "conflict"
+    assert cat[CONFLICTED]["conflict_files"] == [removed_line(CONFLICTED)[0]]
     for n in SERIES:
-        if n not in (SERIES[0], SERIES[2]):
+        if n not in (SERIES[0], CONFLICTED):
             assert cat[n]["category"] == "unchanged", cat[n]
     # range-diff: one entry per old commit; the conflict is '<' and listed explicitly
     rd = (report / "range-diff.txt").read_text()
     assert len(re.findall(r"^\s*\d+:\s+[0-9a-f]+ [=!<]", rd, re.M)) == len(SERIES)
-    assert [u["subject"] for u in d["unmatched"]] == [cat[SERIES[2]]["subject"]]
+    assert [u["subject"] for u in d["unmatched"]] == [cat[CONFLICTED]["subject"]]
     # seams
     s = [r for r in d["seams"] if r["patch"] == SERIES[0]][0]
     assert s["status"] == "context changed"

@@ -1,15 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """A finished request's final stores (patch
-connector-offloading-finish-after-final-store; soak run 25, docs/worker.md
-K34).
+kv-offload-tiering-store-after-finish; soak run 25, docs/worker.md K34).
 
 Under async scheduling the hash of a page completed by a request's last
 decoded tokens exists only once the output that finishes the request is
 processed, so the OffloadingConnector stores that page at the next step,
-after ``request_finished``. The pin told its manager of the finish first;
-the tiering manager (the blog's ``TieringOffloadingSpec``) then forgot the
-request and its ``prepare_store`` raised KeyError at the next schedule: the
-engine core died. Driven here with the pin's real Scheduler/AsyncScheduler
+after ``request_finished`` has told the manager of the finish. The tiering
+manager (the blog's ``TieringOffloadingSpec``) forgot the request then and
+its ``prepare_store`` raised KeyError at the next schedule: the engine core
+died. Driven here with the pin's real Scheduler/AsyncScheduler
 and the offloader's real halves (sim_offload checks every stored and loaded
 byte)."""
 
@@ -56,8 +55,6 @@ def test_the_page_completed_at_the_finish_is_stored(rig, spec_name, async_schedu
     before = r.offload.loads_verified
     _run(r, driver, [follow_up])
     assert r.offload.loads_verified == before + 1
-    sched = r.offloader.connector_scheduler
-    assert not sched._finish_after_final_store
     if spec_name == "TieringOffloadingSpec":
-        assert not sched.manager._req_state
+        assert not r.offloader.connector_scheduler.manager._req_state
     r.finish()

@@ -327,6 +327,22 @@ def test_request_state_follows_hot_regions_and_padding_is_minus_one():
 # ------------------------------------------------------------ decode path
 
 
+def _start_one_decode(rig, *, resident: list[int], host_pages: int, computed: int):
+    """Request r0 on host blocks 5 and 6 (patterned rows in the first
+    ``host_pages``), resident blocks ``resident`` (0 = null), hot region
+    20-21, one decode token after ``computed``: the step started."""
+    rig.place(0, resident=resident, host=[5, 6], hot=[20, 21])
+    for name in rig.layout.sparse_layers:
+        fill_pattern(rig.rt.layers[name].host[5 * B:(5 + host_pages) * B],
+                     seed=len(name) + ord(name[-6]))
+    fill_slab(rig)
+    rig.batch.schedule(computed=[computed], scheduled=[1])
+    md = attn_metadata(rig.batch, 1, 1)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]),
+                                   hot_region_requests=["r0"]), md)
+    return md
+
+
 def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
     """C7/C10 end to end on the references: a request whose page 0 is
     host-only (null resident entry) and page 1 resident. The leader's rows
@@ -334,13 +350,7 @@ def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
     rows; the follower replays the plan into its own hot rows (INV-11)."""
     rig = WorkerRig(freq=2)  # index group of l1 leads l2 (pair 1)
     rt, layers = rig.rt, rig.layout.sparse_layers
-    rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])
-    for name in layers:
-        fill_pattern(rt.layers[name].host[5 * B:6 * B], seed=len(name) + ord(name[-6]))
-    fill_slab(rig)
-    rig.batch.schedule(computed=[100], scheduled=[1])
-    md = attn_metadata(rig.batch, 1, 1)
-    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]), md)
+    md = _start_one_decode(rig, resident=[0, 4], host_pages=1, computed=100)
     topk = torch.full((1, 64), -1, dtype=torch.int32)
     topk[0, :4] = torch.tensor([2, 70, 9, 100], dtype=torch.int32)
     leader, follower = layers[1], layers[2]
@@ -555,14 +565,7 @@ def test_an_optimistic_length_never_stages_a_lookahead_page():
 def _decode_with_misses(order_misses: bool):
     rig = WorkerRig(freq=2, order_misses=order_misses)
     rt, layers = rig.rt, rig.layout.sparse_layers
-    rig.place(0, resident=[0, 0], host=[5, 6], hot=[20, 21])
-    for name in layers:
-        fill_pattern(rt.layers[name].host[5 * B:7 * B], seed=len(name) + ord(name[-6]))
-    fill_slab(rig)
-    rig.batch.schedule(computed=[120], scheduled=[1])
-    md = attn_metadata(rig.batch, 1, 1)
-    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]),
-                                   hot_region_requests=["r0"]), md)
+    md = _start_one_decode(rig, resident=[0, 0], host_pages=2, computed=120)
     topk = torch.full((1, 64), -1, dtype=torch.int32)
     topk[0, :6] = torch.tensor([119, 70, 64, 40, 9, 2], dtype=torch.int32)  # descending rows
     leader, follower = layers[1], layers[2]

@@ -452,26 +452,19 @@ def replay_worker(a) -> int:
     try:
         out.update(follow(llm, work, a.deadline - 30))
         out["drained"] = drain_engine(llm)
-        if a.twin:
-            raise _TwinDone
-        out["weights_fingerprint_plugin"] = digest(llm)
-        # Both below re-initialise through apply_model: after the replay only.
-        if time.time() < a.deadline - 20:
-            out["sensitivity"] = run_e2e.measure_sensitivity(llm, [a.variant])
-        run_e2e.apply_variant(llm, a.variant)
-        out["weights_fingerprint_apply_model"] = digest(llm)
-    except _TwinDone:
-        pass
+        if not a.twin:  # the controls are the first replay's alone
+            out["weights_fingerprint_plugin"] = digest(llm)
+            # Both below re-initialise through apply_model: after the replay only.
+            if time.time() < a.deadline - 20:
+                out["sensitivity"] = run_e2e.measure_sensitivity(llm, [a.variant])
+            run_e2e.apply_variant(llm, a.variant)
+            out["weights_fingerprint_apply_model"] = digest(llm)
     except Exception:  # noqa: BLE001 - the records so far still reach soak.json
         import traceback
 
         out["error"] = traceback.format_exc()[-4000:]
     (work / replay_file(a.twin)).write_text(json.dumps(out))
     return 0
-
-
-class _TwinDone(Exception):
-    """The twin replay stops after following (no controls of its own)."""
 
 
 def drain_engine(llm) -> int:

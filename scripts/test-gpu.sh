@@ -145,7 +145,7 @@ site=$stage/patch/site
 # 2. The bundle must be what this working tree holds (lib.sh's
 #    hs_series_sha / hs_overlay_sha, inlined: this script runs without lib.sh).
 if [[ -d "$root/patches" && -d "$root/overlay" ]]; then
-  series_sha=$(cat "$root/patches/series" "$root/patches"/*.patch 2>/dev/null | sha256sum | cut -c1-16)
+  series_sha=$( (LC_ALL=C; cat "$root/patches/series" "$root/patches"/*.patch 2>/dev/null) | sha256sum | cut -c1-16)  # C: the glob order
   overlay_sha=$("$py" "$root/scripts/patchtool.py" manifest --root "$root" | sha256sum | cut -c1-16)
   if [[ "$series_sha" != "$m_series_sha" || "$overlay_sha" != "$m_overlay_sha" ]]; then
     if [[ $allow_stale == 1 ]]; then

@@ -72,8 +72,10 @@ def test_dry_run_prints_the_plan_with_series_labels(tmp_path):
     wheel = fake_wheel(tmp_path)
     proc = run(["--dry-run", "--digest", DIGEST, "--wheel", str(wheel)])
     out = proc.stdout
-    series = subprocess.run("cat patches/series patches/*.patch | sha256sum", shell=True, cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, check=True).stdout.split()[0]
+    # the series file, then the patches in byte order (the scripts glob under LC_ALL=C)
+    parts = [ROOT / "patches" / "series"] + sorted((ROOT / "patches").glob("*.patch"),
+                                                   key=lambda p: p.name.encode())
+    series = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()
     overlay = hashlib.sha256(subprocess.run(["python3", "scripts/patchtool.py", "manifest"], cwd=ROOT,
                                             stdout=subprocess.PIPE, check=True).stdout).hexdigest()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stdout=subprocess.PIPE,

@@ -53,9 +53,9 @@ class HiSparseConfig:
 
     order_misses: bool | None = None
     """Sort each step's host misses by host address before gathering them
-    (random reads of a large pinned pool run far below the link). None
-    turns it on when a layer's host array is 2 GiB or more; True requires
-    an index_topk of at most 2048."""
+    (random reads of a large pinned pool run far below the link). None is
+    off until the e2e gate passes it (docs/kernels.md P9); True requires an
+    index_topk of at most 2048."""
 
     @field_validator("host_pool_gib")
     @classmethod

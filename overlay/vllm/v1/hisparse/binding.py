@@ -309,11 +309,7 @@ def bind_runtime(
     )
     scheduler_config = runner.vllm_config.scheduler_config
     hisparse_config = runner.vllm_config.attention_config.hisparse_config
-    order_misses = resolve_order_misses(
-        hisparse_config.order_misses,
-        host_pool.plan.layer_array_bytes,
-        layout.index_topk,
-    )
+    order_misses = resolve_order_misses(hisparse_config.order_misses, layout.index_topk)
     runtime = make_runtime(
         kv_cache_config,
         slab,

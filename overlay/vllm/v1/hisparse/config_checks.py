@@ -482,28 +482,21 @@ def check_host_ram(
 # ------------------------------------------------------------- entry point
 
 
-ORDER_MISSES_AUTO_BYTES = 2 * 1024**3
-"""A layer's host array from which sorted gathers pay (docs/kernels.md P9:
-random rows at 1 GB ran at 0.96x the sequential ceiling, at 3.9 GB ~0.57x)."""
-
-
-def resolve_order_misses(
-    value: bool | None, layer_array_bytes: int, index_topk: int
-) -> bool:
-    """``hisparse_config.order_misses``: None decides from the host array's
-    size; K6 sorts a plan row of at most ORDER_PLAN_MAX_CELLS cells."""
+def resolve_order_misses(value: bool | None, index_topk: int) -> bool:
+    """``hisparse_config.order_misses``: K6 sorts a plan row of at most
+    ORDER_PLAN_MAX_CELLS cells. None is off: the gate's K6 engine failed in
+    run 27 (cause not established, docs/kernels.md P9), so it stays opt-in
+    until the gate passes it; the auto rule it had (on from a 2 GiB host
+    array per layer) returns then."""
     from vllm.v1.hisparse.kernels import ORDER_PLAN_MAX_CELLS
 
-    fits = index_topk <= ORDER_PLAN_MAX_CELLS
-    if value is None:
-        return fits and layer_array_bytes >= ORDER_MISSES_AUTO_BYTES
-    if value and not fits:
+    if value and index_topk > ORDER_PLAN_MAX_CELLS:
         raise HiSparseConfigError(
             f"hisparse_config.order_misses=true sorts plan rows of at most "
             f"{ORDER_PLAN_MAX_CELLS} entries; this model's index_topk is "
             f"{index_topk}. Leave it unset or false."
         )
-    return value
+    return bool(value)
 
 
 def resolve_host_pool_gib(vllm_config: "VllmConfig") -> float:

@@ -35,7 +35,11 @@ Runs ON the GPU host (after ``eval "$(scripts/test-gpu.sh --print-env)"``):
    no leak.
 
 usage: python3 tests/e2e/soak.py --out DIR [--duration 360] [--variant NAME] [--audit]
-                                 [--no-twin]
+                                 [--no-twin] [--no-deterministic-compile]
+
+Every process compiles in Inductor's deterministic mode (DETERMINISTIC_ENV,
+DETERMINISTIC_INDUCTOR): run 28's two off replays, compiled in two
+processes, differed where timing-picked kernel configs differed.
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ HOST_POOL_GIB = 4
 TOP_LOGPROBS = 5
 SAMPLING_EXTRA = {"ignore_eos": True, "return_token_ids": True,
                   "return_tokens_as_token_ids": True}
+# Inductor picks some kernel configs by timing them (reduction block sizes,
+# combo kernels), once per process: in run 28 the replay and its twin, two
+# off engines compiled in two processes, disagreed on 2 of 252 requests
+# under one schedule. Deterministic mode keeps only configs whose numerics
+# do not depend on timing; vLLM's combo-kernel benchmark would be refused
+# there, so the combo kernels stay and their benchmark goes. The gate's
+# engines share one process and never showed it.
+DETERMINISTIC_ENV = {"TORCHINDUCTOR_DETERMINISTIC": "1"}
+DETERMINISTIC_INDUCTOR = {"combo_kernels": True, "benchmark_combo_kernel": False}
 
 
 def log(*parts: object) -> None:
@@ -92,7 +105,9 @@ def hisparse_flags() -> list[str]:
     ]
 
 
-def server_command(model: Path, port: int) -> list[str]:
+def server_command(model: Path, port: int, deterministic: bool = True) -> list[str]:
+    compile_flags = (["--compilation-config", json.dumps(compilation_config(True))]
+                     if deterministic else [])
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", "tiny",
             "--load-format", "hisparse_seeded", "--port", str(port),
@@ -100,10 +115,11 @@ def server_command(model: Path, port: int) -> list[str]:
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(CHUNK),
             "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0",
             "--generation-config", "vllm", "--gpu-memory-utilization", "0.3",
-            *hisparse_flags()]
+            *compile_flags, *hisparse_flags()]
 
 
-def child_env(variant: str, trace: Path | None = None, audit: bool = False) -> dict[str, str]:
+def child_env(variant: str, trace: Path | None = None, audit: bool = False,
+              deterministic: bool = True) -> dict[str, str]:
     # The canonical top-k order in the server and in the replay (both arms
     # of every comparison: vllm/v1/hisparse/determinism.py); request ids
     # as the client gave them (the trace's keys); the server's schedule
@@ -124,7 +140,16 @@ def child_env(variant: str, trace: Path | None = None, audit: bool = False) -> d
     env["PYTHONPATH"] = os.pathsep.join(
         [str(PLUGIN), str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default
+    for key in DETERMINISTIC_ENV:
+        env.pop(key, None)
+    if deterministic:
+        env.update(DETERMINISTIC_ENV)
     return env
+
+
+def compilation_config(deterministic: bool) -> dict:
+    """What every soak process compiles with (server, replay, twin)."""
+    return {"inductor_compile_config": dict(DETERMINISTIC_INDUCTOR)} if deterministic else {}
 
 
 # ------------------------------------------------------------ the server
@@ -134,11 +159,12 @@ class Server:
     """The server process, its HTTP endpoints and its engine core's /proc."""
 
     def __init__(self, model: Path, port: int, log_path: Path, variant: str,
-                 trace: Path, audit: bool = False) -> None:
+                 trace: Path, audit: bool = False, deterministic: bool = True) -> None:
         self.port, self.log_path = port, log_path
-        self.command = server_command(model, port)
+        self.command = server_command(model, port, deterministic)
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(self.command, env=child_env(variant, trace, audit),
+        self.proc = subprocess.Popen(self.command,
+                                     env=child_env(variant, trace, audit, deterministic),
                                      stdout=self._log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
 
@@ -406,7 +432,8 @@ def replay_command(a, work: Path, twin: bool = False) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--replay-worker",
             "--out", str(a.out), "--work", str(work), "--model", str(a.model),
             "--variant", a.variant, "--deadline", str(a.deadline)] + (
-                ["--twin"] if twin else [])
+                ["--twin"] if twin else []) + (
+                [] if a.deterministic_compile else ["--no-deterministic-compile"])
 
 
 def replay_file(twin: bool) -> str:
@@ -442,7 +469,8 @@ def replay_worker(a) -> int:
               max_num_batched_tokens=CHUNK, max_num_seqs=MAX_NUM_SEQS, seed=0,
               generation_config="vllm", enable_prefix_caching=True,
               attention_config=AttentionConfig(sparse_mla_force_mqa=True),
-              kv_cache_memory_bytes=REPLAY_KV_BYTES, gpu_memory_utilization=0.45)
+              kv_cache_memory_bytes=REPLAY_KV_BYTES, gpu_memory_utilization=0.45,
+              compilation_config=compilation_config(a.deterministic_compile))
     out: dict = {"init_s": round(time.time() - t0, 1),
                  "defaults": run_e2e.resolved_defaults(llm)}
     if not a.twin:
@@ -584,6 +612,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replay-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--twin", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-deterministic-compile", dest="deterministic_compile",
+                    action="store_false",
+                    help="compile with vLLM's defaults (timing-picked kernel configs; "
+                         "processes may then differ in the last bits)")
     ap.add_argument("--no-twin", action="store_true",
                     help="skip the second off-arm replay (the off arm's determinism "
                     "control; it costs a second engine's GPU time and 16 GiB)")
@@ -603,8 +635,12 @@ async def soak(a) -> dict:
                            max_model_len=MAX_MODEL_LEN)
     report: dict = {"config": asdict(cfg), "variant": a.variant, "gpu_blocks": GPU_BLOCKS}
     server = Server(Path(a.model), a.port, out / "soak_server.log", a.variant,
-                    work / "trace.jsonl", audit=a.audit)
+                    work / "trace.jsonl", audit=a.audit,
+                    deterministic=a.deterministic_compile)
     report["mirror_audit"] = a.audit
+    report["deterministic_compile"] = (
+        {"env": DETERMINISTIC_ENV, "inductor": DETERMINISTIC_INDUCTOR}
+        if a.deterministic_compile else False)
     report["command"] = " ".join(server.command)
     replays: dict[bool, subprocess.Popen] = {}
     try:
@@ -661,7 +697,8 @@ async def soak(a) -> dict:
 
 def start_replay(a, work: Path, out: Path, twin: bool) -> subprocess.Popen:
     log_name = "soak_replay_twin.log" if twin else "soak_replay.log"
-    return subprocess.Popen(replay_command(a, work, twin), env=child_env(a.variant),
+    return subprocess.Popen(replay_command(a, work, twin),
+                            env=child_env(a.variant, deterministic=a.deterministic_compile),
                             stdout=open(out / log_name, "w"), stderr=subprocess.STDOUT)
 
 

@@ -380,3 +380,30 @@ def test_the_twin_replay_is_the_off_arms_determinism_control():
     assert soak.parse_args(["--out", "x", "--no-twin"]).no_twin
     cmd = soak.replay_command(soak.parse_args(["--out", "x"]), soak.Path("/w"), twin=True)
     assert cmd[-1] == "--twin" and soak.replay_file(True) == "replay_twin.json"
+
+
+def test_every_soak_process_compiles_deterministically():
+    """R5: the server, the replay and its twin compile with Inductor's
+    deterministic mode and without the combo-kernel benchmark (run 28: two
+    off replays compiled in two processes disagreed under one schedule), so
+    a difference between them is the data path's; --no-deterministic-compile
+    turns it off in all three, never in one."""
+    a = soak.parse_args(["--out", "x"])
+    assert a.deterministic_compile
+    cmd = soak.server_command(soak.Path("/m"), 8000)
+    inductor = json.loads(dict(zip(cmd, cmd[1:]))["--compilation-config"])[
+        "inductor_compile_config"]
+    assert inductor == {"combo_kernels": True, "benchmark_combo_kernel": False}
+    for env in (soak.child_env("n02", soak.Path("/w/t.jsonl")), soak.child_env("n02")):
+        assert env["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    assert soak.compilation_config(True) == {"inductor_compile_config": inductor}
+    assert "--no-deterministic-compile" not in soak.replay_command(a, soak.Path("/w"))
+
+    off = soak.parse_args(["--out", "x", "--no-deterministic-compile"])
+    assert not off.deterministic_compile
+    assert "--compilation-config" not in soak.server_command(soak.Path("/m"), 1, False)
+    assert "TORCHINDUCTOR_DETERMINISTIC" not in soak.child_env("n02", deterministic=False)
+    assert soak.compilation_config(False) == {}
+    replay = soak.replay_command(off, soak.Path("/w"), twin=True)
+    assert "--no-deterministic-compile" in replay
+    assert not soak.parse_args(replay[2:]).deterministic_compile

@@ -713,10 +713,17 @@ def scenario_calls(name: str, out_tokens: int = 0) -> list:
 
 def run_scenario(llm, name: str, deadline: float, plan: list | None = None,
                  out_tokens: int = 0) -> tuple[dict[str, dict], list, dict | None]:
-    """Every call of the scenario in order, on the engine's own schedule or
-    following ``plan`` (another engine's keyed steps); the records by
-    request key ("call/conversation"), the keyed steps and where a replay
-    diverged (None)."""
+    """Every call of the scenario in order, from an empty prefix cache, on
+    the engine's own schedule or following ``plan`` (another engine's keyed
+    steps); the records by request key ("call/conversation"), the keyed
+    steps and where a replay diverged (None)."""
+    # Every scenario starts from an empty prefix cache. A replay engine
+    # replays one scenario once per HiSparse engine, and vLLM's block pool
+    # serves a prefix hit from the FIRST block cached for a hash: a
+    # follow-up would read the previous replay's KV of the same tokens,
+    # computed under another schedule (run 27's `returning` failure).
+    if not llm.reset_prefix_cache():
+        raise ScenarioAborted("aborted: the prefix cache could not be reset before it")
     tap = core(llm).scheduler._hs_tap
     tap.start(plan)
     histories: dict[str, list[int]] = {}

@@ -54,7 +54,8 @@ class HiSparseConfig:
     order_misses: bool | None = None
     """Sort each step's host misses by host address before gathering them
     (random reads of a large pinned pool run far below the link). None is
-    off until the e2e gate passes it (docs/kernels.md P9); True requires an
+    off (docs/kernels.md P9: the gain measured so far is small and the
+    launch it adds per step is not yet measured); True requires an
     index_topk of at most 2048."""
 
     @field_validator("host_pool_gib")

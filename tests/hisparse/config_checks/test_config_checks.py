@@ -488,9 +488,9 @@ def test_shared_mode_decides_the_ram_check(tmp_path, ram, monkeypatch):
 
 def test_order_misses_is_opt_in():
     """P9 (docs/kernels.md): left unset, the sorted gather stays off at any
-    pool size (the gate's K6 engine failed in run 27, cause open); set, it
-    is obeyed, and true with a top-k wider than K6 sorts is refused with
-    the reason."""
+    pool size (its measured gain is small, its per-step launch unmeasured);
+    set, it is obeyed, and true with a top-k wider than K6 sorts is refused
+    with the reason."""
     assert not cc.resolve_order_misses(None, 2048)
     assert cc.resolve_order_misses(True, 256)
     assert cc.resolve_order_misses(True, 2048)

@@ -56,13 +56,16 @@ class Scheduler:
 
     def __init__(self, owner) -> None:
         self.owner = owner
-        self.connector = None
+        # an engine with the offloader reports external tokens at admission
+        self.connector = (SimpleNamespace(update_state_after_alloc=lambda r, b, n: None)
+                          if owner.kw.get("kv_transfer_config") else None)
         self.running: list = []
         self.waiting = Queue()
         self.block_size = 64
         self.num_spec_tokens = owner.k
         self.max_num_scheduled_tokens = owner.kw["max_num_batched_tokens"]
-        stats = SimpleNamespace(lost_pages=0, spills_completed=0, waits_for_in_flight=0)
+        stats = SimpleNamespace(lost_pages=0, spills_completed=0, waits_for_in_flight=0,
+                                pages_adopted=0)
         self.kv_cache_manager = SimpleNamespace(coordinator=SimpleNamespace(
             hisparse=SimpleNamespace(stats=stats, pending_spills={})
             if owner.hisparse else None))
@@ -83,7 +86,8 @@ class Scheduler:
         if self.owner.skew.get("no_budget") and not self.owner.hisparse:
             budget = 1 << 30  # a scheduler the replay cannot pace
         if split:
-            budget = min(budget, 1000)
+            # a HiSparse engine without pressure computes more a step
+            budget = min(budget, 1500 if self.owner.no_pressure else 1000)
         out = {}
         admissible = list(self.waiting)[:1] if split else list(self.waiting)
         for r in self.running + admissible:
@@ -95,6 +99,8 @@ class Scheduler:
             if r.request_id in out:
                 self.waiting.remove(r)
                 self.running.append(r)
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(r, None, self.block_size)
         return SimpleNamespace(num_scheduled_tokens=out, scheduled_new_reqs=[])
 
 
@@ -105,13 +111,20 @@ class Lp(SimpleNamespace):
 class FakeLLM:
     """What the gate touches of vllm.LLM. Tokens and logprobs are a function
     of the prompt (and of the weights' norm, so the sensitivity control
-    sees its re-init); ``skew`` alters the HiSparse arm's output."""
+    sees its re-init); ``skew`` alters the HiSparse arm's output. A prefix
+    cache as vLLM's: a prompt extending a finished request's prompt reads
+    that computation (the first one cached wins, like the block pool's
+    first block per hash), whose chunking shows in the low bits."""
 
     skew: dict = {}
 
     def __init__(self, **kw) -> None:
         self.kw = kw
-        self.hisparse = kw["attention_config"].hisparse_config is not None
+        hs = kw["attention_config"].hisparse_config
+        self.hisparse = hs is not None
+        self.no_pressure = self.hisparse and hs.admission_max_tokens is not None
+        self.cache: dict[tuple, int] = {}  # cached prompt -> its chunks
+        self.resets = 0
         self.k = (kw.get("speculative_config") or {}).get("num_speculative_tokens", 0)
         self.model = Model()
         self.drafter = Drafter(self.model) if self.k else None
@@ -172,7 +185,8 @@ class FakeLLM:
                         num_invalid_spec_tokens=None, request_id=r.request_id)
         self.steps += 1
         if self.hisparse:
-            self.stats().lost_pages += 3
+            self.stats().lost_pages += 3 * (not self.no_pressure)
+            self.stats().pages_adopted += self.no_pressure
             self.stats().spills_completed += 2
         return outs
 
@@ -185,8 +199,13 @@ class FakeLLM:
         base = (sum(prompt[-8:]) + early + 7 * corrupt) % 8000
         bits = self.skew.get("bits", 0.0) if self.hisparse else 0.0
         toks = [(base + i) % 8000 + 2 for i in range(sp.max_tokens)]
-        # Batch variance: the low bits depend on how the prompt was chunked.
-        lp = -1.5 - bits - chunks * 2 ** -30
+        hit = max((k for k in self.cache if len(k) < len(prompt)
+                   and tuple(prompt[:len(k)]) == k), key=len, default=None)
+        cached_chunks = self.cache[hit] if hit is not None else 0
+        self.cache.setdefault(tuple(prompt), chunks)
+        # Batch variance: the low bits depend on how the prompt was chunked,
+        # its cached prefix's included.
+        lp = -1.5 - bits - chunks * 2 ** -30 - cached_chunks * 2 ** -28
         lps = [{t: Lp(logprob=lp, rank=1), t + 1: Lp(logprob=-2.5, rank=2)}
                for t in toks]
         return SimpleNamespace(request_id=rid, finished=True, outputs=[
@@ -214,7 +233,9 @@ class FakeLLM:
         return [fn(self.model)]
 
     def reset_prefix_cache(self):
-        return True
+        self.resets += 1
+        self.cache.clear()
+        return not self.skew.get("reset_fails")
 
     def collective_rpc(self, fn):
         if getattr(fn, "func", fn).__module__ == "seeded_init":  # the worker's models
@@ -392,3 +413,42 @@ def test_mtp_acceptance_differing_from_the_replay_fails(gate):
     assert rc == 1 and e["replay"]["bitwise_logprobs"] and not e["pass"]
     assert e["acceptance_check"]["equal"] is False
     assert any("MTP acceptance differs from the replay arm" in f for f in R["failures"])
+
+
+def test_every_scenario_starts_from_an_empty_prefix_cache(gate, monkeypatch):
+    """T1 (run 27): the replay engine replays `returning` for two HiSparse
+    engines with two schedules; without a reset before each scenario the
+    second replay's follow-ups read the first replay's computation of their
+    first turns (other chunks, other low bits) and the gate reports a
+    difference HiSparse did not make. With it both replays pass; a reset
+    that fails aborts the scenario."""
+    rc, R = gate("off_c2k,on_nopressure,on_c2k,rep_c2k", scenarios="returning",
+                 schedule=True)
+    assert rc == 0, R["failures"]
+    for engine in ("on_nopressure", "on_c2k"):
+        e = entry(R, engine, "returning")
+        assert e["decided_by"] == "replay" and e["replay"]["bitwise_logprobs"], e["replay"]
+    assert R["engines"]["rep_c2k"]["plan"] == ["on_nopressure/returning", "on_c2k/returning"]
+
+    rc, R = gate("off_c2k,on_c2k", scenarios="single6k", reset_fails=True)
+    assert rc == 1 and any("prefix cache could not be reset" in f for f in R["failures"])
+
+    monkeypatch.setattr(e2e, "run_scenario", _without_reset(e2e.run_scenario))
+    rc, R = gate("off_c2k,on_nopressure,on_c2k,rep_c2k", scenarios="returning",
+                 schedule=True)
+    assert rc == 1
+    assert entry(R, "on_nopressure", "returning")["replay"]["bitwise_logprobs"]
+    second = entry(R, "on_c2k", "returning")["replay"]
+    assert second["schedule_equal"] and not second["bitwise_logprobs"]
+
+
+def _without_reset(run_scenario):
+    """run_scenario as before run 27's fix: the engine's prefix cache kept."""
+    def run(llm, *args, **kwargs):
+        reset = llm.reset_prefix_cache
+        llm.reset_prefix_cache = lambda: True
+        try:
+            return run_scenario(llm, *args, **kwargs)
+        finally:
+            llm.reset_prefix_cache = reset
+    return run

@@ -484,10 +484,10 @@ def check_host_ram(
 
 def resolve_order_misses(value: bool | None, index_topk: int) -> bool:
     """``hisparse_config.order_misses``: K6 sorts a plan row of at most
-    ORDER_PLAN_MAX_CELLS cells. None is off: the gate's K6 engine failed in
-    run 27 (cause not established, docs/kernels.md P9), so it stays opt-in
-    until the gate passes it; the auto rule it had (on from a 2 GiB host
-    array per layer) returns then."""
+    ORDER_PLAN_MAX_CELLS cells. None is off (docs/kernels.md P9): sorting
+    per plan row reached 0.74x of the ceiling where P9 asks 0.8x, and its
+    launch per leader layer, paid inside CUDA graphs at every step, is not
+    yet measured by bench-tax."""
     from vllm.v1.hisparse.kernels import ORDER_PLAN_MAX_CELLS
 
     if value and index_topk > ORDER_PLAN_MAX_CELLS:

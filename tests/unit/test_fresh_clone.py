@@ -12,14 +12,20 @@ The scratch clone reuses the pinned downloads (copied into its own
 `.cache/pin`, where fetch.sh checks their sha256 again) and the pip cache, so
 that it stays within CI's time; nothing else is shared. Inside the nested
 run, this module and the GPU-wheel build tests (covered by the outer run)
-skip: HISPARSE_FRESH_CLONE is set there.
+skip: HISPARSE_FRESH_CLONE is set there. For the same reason the nested
+hisparse and upstream tiers collect every module but run only the first
+test of each (ci/cpu_test_harness/fresh_clone_sample.py): the outer run
+runs them all on a venv built the same way, and they do not depend on the
+PATH this test is about. The tooling tier, which drives stg, runs in full.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -134,3 +140,30 @@ def test_fresh_clone_runs_the_two_readme_commands(tmp_path: Path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert test.returncode == 0, test.stdout[-8000:]
     assert "all requested tiers passed: tooling hisparse upstream kernels" in test.stdout
+    # the hisparse tier and the upstream tier's runs each sampled, and only those
+    samples = re.findall(r"^fresh-clone sample: (\d+) of (\d+) tests ran", test.stdout, re.M)
+    upstream_runs = 1 + sum(1 for ln in (ROOT / "ci/upstream-suites.txt").read_text().splitlines()
+                            if ln.strip() and not ln.startswith("#") and " " in ln)
+    assert len(samples) == 1 + upstream_runs, test.stdout[-8000:]
+    assert all(0 < int(kept) <= int(total) for kept, total in samples)
+
+
+def sample_run(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    """pytest with the fresh-clone sample plugin on two small modules."""
+    for name, n in (("test_a.py", 3), ("test_b.py", 2)):
+        (tmp_path / name).write_text("".join(f"def test_{i}():\n    pass\n\n" for i in range(n)))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "fresh_clone_sample",
+                           "-q", "-rA", str(tmp_path)], cwd=tmp_path, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env={**env, "PYTHONPATH": str(ROOT / "ci/cpu_test_harness")})
+
+
+def test_sample_plugin_runs_the_first_test_of_each_module_only_when_nested(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if k != NESTED}
+    refused = sample_run(tmp_path, env)
+    assert refused.returncode != 0 and "nested fresh-clone run only" in refused.stdout
+    nested = sample_run(tmp_path, {**env, NESTED: "1"})
+    assert nested.returncode == 0, nested.stdout
+    ran = sorted(re.findall(r"^PASSED (\S+)", nested.stdout, re.M))
+    assert ran == ["test_a.py::test_0", "test_b.py::test_0"], nested.stdout
+    assert "fresh-clone sample: 2 of 5 tests ran, the first of each of 2 modules" in nested.stdout

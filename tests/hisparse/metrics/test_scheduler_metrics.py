@@ -128,6 +128,7 @@ def test_under_pressure_the_counters_move_and_match_the_coordinator(build):
     assert c[m.SPILLS_COMPLETED] == co.stats.spills_completed > 0
     assert c[m.SCHEDULER_WAITS] == co.stats.waits_for_in_flight
     assert c[m.STAGING_DEFERRALS] == co.stats.staging_deferrals
+    assert c[m.PUBLICATION_WAITS] == co.stats.publication_waits
     assert peak[m.PENDING_SPILLS] > 0 and peak[m.HOST_BLOCKS_USED] > 0
     assert 0 < peak[m.HOST_CACHE_USAGE_PERC] <= 1
     last = hisparse_data(stats[-1])[m.GAUGE]
@@ -152,7 +153,7 @@ def test_without_pressure_the_pressure_metrics_stay_zero(build):
     total, peak = totals(stats)
     c = total.data[m.COUNTER]
     assert c[m.LOST_PAGES] == 0 and c[m.SCHEDULER_WAITS] == 0
-    assert c[m.STAGING_DEFERRALS] == 0
+    assert c[m.STAGING_DEFERRALS] == 0 and c[m.PUBLICATION_WAITS] == 0
     assert c[m.SPILLS_COMPLETED] > 0 and peak[m.HOST_BLOCKS_USED] > 0
     assert hs(s).stats.pages_unpinned == 0
 

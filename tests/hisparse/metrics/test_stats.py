@@ -37,7 +37,7 @@ def worker_report(rank: int, hits: int, misses: int, h2d: int) -> HiSparseConnec
 def scheduler_report(lost: int = 2, pending: int = 5, usage: float = 0.25):
     return HiSparseConnectorStats.of(m.MetricsReport(
         counters={m.LOST_PAGES: lost, m.SPILLS_COMPLETED: 7, m.SCHEDULER_WAITS: 0,
-                  m.STAGING_DEFERRALS: 0},
+                  m.STAGING_DEFERRALS: 0, m.PUBLICATION_WAITS: 0},
         gauges={m.PENDING_SPILLS: pending, m.HOST_BLOCKS_USED: 25,
                 m.HOST_BLOCKS_TOTAL: 100, m.HOST_POOL_USED_BYTES: 25 * 4096,
                 m.HOST_CACHE_USAGE_PERC: usage}))

@@ -344,3 +344,50 @@ def test_only_durable_full_pages_are_published(build):
     drain(s, w)
     cached = [b for b in coord(s).host_pool.blocks if b.block_hash is not None]
     assert {get_block_hash(b.block_hash) for b in cached} == set(r.block_hashes[:2])
+
+
+def test_r30_an_admission_waits_for_the_prefix_a_finished_request_publishes(build):
+    """R30 (INV-19's publication, T1's replayability): a follow-up whose
+    prefix a finished request is still publishing (its spills landing) is
+    not admitted to compute those pages again; it waits, then hits the
+    whole published prefix. Admitted at once (soak run 28's u1-3) it would
+    recompute them, and two computations of the same tokens would sit in
+    the prefix cache for later hits to choose from."""
+    s, w = build()
+    parent = make_request("parent", prompt(256), 1)
+    s.add_request(parent)
+    w.hold = set(range(1, 1000))
+    step(s, w)
+    assert parent.is_finished() and hs(s).states == {}
+    follow = make_request("follow", prompt(256) + prompt(100, 7), 4)
+    s.add_request(follow)
+    for _ in range(3):
+        so = step(s, w)
+        assert "follow" not in so.num_scheduled_tokens  # waits, no recompute
+    assert hs(s).stats.publication_waits == 3
+    assert published_pages(s, parent) == 0
+    w.hold = set()
+    so = step(s, w)  # the spills land; the publication runs before scheduling
+    while "follow" not in so.num_scheduled_tokens:
+        so = step(s, w)
+    assert published_pages(s, parent) == 4
+    assert so.num_scheduled_tokens["follow"] == 100  # the 4 pages were hit
+    assert hs(s)._publishing == {}
+    drain(s, w)
+    check_drained(s)
+
+
+def test_r30_no_wait_without_a_pending_publication(build):
+    """R30: with the parent's prefix already published (or none pending),
+    a follow-up is admitted at once and nothing waits."""
+    s, w = build()
+    parent = make_request("parent", prompt(256), 1)
+    s.add_request(parent)
+    drain(s, w)
+    follow = make_request("follow", prompt(256) + prompt(100, 7), 4)
+    s.add_request(follow)
+    so = step(s, w)
+    assert so.num_scheduled_tokens["follow"] == 100
+    assert hs(s).stats.publication_waits == 0
+    drain(s, w)
+    check_drained(s)

@@ -132,12 +132,14 @@ def test_mtp_drops_the_last_block_of_the_common_hit(build, eagle):
                  num_speculative_tokens=1 if eagle else 0)
     drafter = Drafter(accept=0.5) if eagle else None
     base = prompt(640, 9)  # 10 pages: 3 prefill steps (256, 256, 128)
-    a = make_request("a", base, 1)
+    # ``a`` still decodes: a finished request's pages in flight would make
+    # b wait for their publication instead (R30, test_residency).
+    a = make_request("a", base, 40)
     s.add_request(a)
     w.hold = {7, 8, 9, 10}  # the spills of pages 6-9 (ids in page order)
     for _ in range(3):
         run_step(s, w, drafter)
-    assert a.is_finished() and published_pages(s, a) == 6
+    assert not a.is_finished() and published_pages(s, a) == 6
     b = make_request("b", base + prompt(100, 10), 8)
     blocks, hit, _ = coord(s).find_longest_cache_hit(b.block_hashes, b.num_tokens - 1)
     start = 5 if eagle else 6

@@ -124,6 +124,9 @@ class DetachedPublication:
     host_blocks: list[KVCacheBlock]
     num_pages: int
     num_cached_pages: int
+    pending_hashes: tuple = ()
+    """The block hashes of pages [num_cached_pages, num_pages): what the
+    publication will add (R30: admissions that reach them wait)."""
 
 
 @dataclass(eq=False)
@@ -168,6 +171,9 @@ class HiSparseSchedulerStats:
     staging_deferrals: int = 0
     """Short chunks deferred a step because this step's staged pages would
     exceed the in-slab staging blocks (R28, F21)."""
+    publication_waits: int = 0
+    """Admissions deferred a step because the request's next page is about
+    to be published by a finished request (R30)."""
 
 
 class HiSparseCoordinator:
@@ -240,6 +246,8 @@ class HiSparseCoordinator:
         self._hot_freed: list[int] = []
         self._cow_pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         self._cow_in_flight: dict[int, tuple[KVCacheBlock, KVCacheBlock]] = {}
+        # R30: block hash -> detached publications that will publish it
+        self._publishing: dict[object, int] = {}
         self.stats = HiSparseSchedulerStats()
 
     def bind_managers(
@@ -370,6 +378,21 @@ class HiSparseCoordinator:
                 "is not supported yet."
             )
         return list(st.request.block_hashes[first:last])
+
+    def waits_for_publication(self, request: Request, num_computed_tokens: int) -> bool:
+        """R30: may ``request``'s admission wait a step? Yes when its prefix
+        hit stops at a page that a finished request is about to publish
+        (its spills still landing, 4.4 step 4): admitted now it would
+        compute that page again, and the prefix cache would then hold two
+        computations of the same tokens (vLLM's kernels are not batch
+        invariant), its groups possibly serving different ones to later
+        hits. Waiting costs the step or two until the spills land."""
+        page = num_computed_tokens // self.block_size
+        hashes = request.block_hashes
+        if page >= len(hashes) or hashes[page] not in self._publishing:
+            return False
+        self.stats.publication_waits += 1
+        return True
 
     def host_prefix_tokens(self, request: Request) -> int:
         """h_s: tokens of the request's longest host prefix-cache hit."""
@@ -738,6 +761,10 @@ class HiSparseCoordinator:
                 kv_cache_group_id=self.source.kv_cache_group_id,
             )
         self.host_pool.free_blocks(reversed(d.host_blocks))
+        for block_hash in d.pending_hashes:
+            left = self._publishing.pop(block_hash) - 1
+            if left:
+                self._publishing[block_hash] = left
         st.detached = None
 
     # ------------------------------------------------------------ acks
@@ -887,11 +914,16 @@ class HiSparseCoordinator:
         num_pages = min(st.publication // self.block_size, len(host))
         blocks = list(host[:num_pages])
         self.host_pool.touch(blocks)
+        cached = self.source.num_cached_block.get(st.request_id, 0)
+        pending = tuple(st.request.block_hashes[cached:num_pages])
+        for block_hash in pending:
+            self._publishing[block_hash] = self._publishing.get(block_hash, 0) + 1
         st.detached = DetachedPublication(
             request=st.request,
             host_blocks=blocks,
             num_pages=num_pages,
-            num_cached_pages=self.source.num_cached_block.get(st.request_id, 0),
+            num_cached_pages=cached,
+            pending_hashes=pending,
         )
 
     # --------------------------------------------------------- metadata

@@ -84,6 +84,7 @@ LIVE_HOT_REGIONS = "vllm:hisparse_live_hot_regions"
 STAGING_BLOCKS_USED = "vllm:hisparse_staging_blocks_used"
 SCHEDULER_WAITS = "vllm:hisparse_scheduler_waits"
 STAGING_DEFERRALS = "vllm:hisparse_staging_deferrals"
+PUBLICATION_WAITS = "vllm:hisparse_publication_waits"
 
 METRICS: dict[str, MetricSpec] = {
     m.name: m
@@ -176,6 +177,12 @@ METRICS: dict[str, MetricSpec] = {
             STAGING_DEFERRALS, COUNTER,
             "Short prefill chunks deferred a step because the step's staged "
             "pages would exceed the in-slab staging blocks.",
+            "scheduler",
+        ),
+        MetricSpec(
+            PUBLICATION_WAITS, COUNTER,
+            "Admissions deferred a step because the request's prefix hit "
+            "stopped at a page a finished request was still publishing.",
             "scheduler",
         ),
     )
@@ -308,6 +315,7 @@ _SCHEDULER_COUNTERS: tuple[tuple[str, str], ...] = (
     (SPILLS_COMPLETED, "spills_completed"),
     (SCHEDULER_WAITS, "waits_for_in_flight"),
     (STAGING_DEFERRALS, "staging_deferrals"),
+    (PUBLICATION_WAITS, "publication_waits"),
 )
 """Metric name -> ``HiSparseSchedulerStats`` field."""
 

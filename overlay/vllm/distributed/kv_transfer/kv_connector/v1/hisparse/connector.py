@@ -113,7 +113,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return 0, False  # host hits are local prefix-cache hits
+        # Host hits are local prefix-cache hits. None ("not known yet") makes
+        # the scheduler retry the request next step: its hit stops at a page
+        # a finished request is about to publish (R30).
+        if self.hisparse.waits_for_publication(request, num_computed_tokens):
+            return None, False
+        return 0, False
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int

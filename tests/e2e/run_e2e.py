@@ -711,6 +711,16 @@ def scenario_calls(name: str, out_tokens: int = 0) -> list:
             for call in workload.scenario(name)]
 
 
+def settle(llm, deadline: float) -> None:
+    """Step the engine until its scheduler holds no work: generate() returns
+    once every output is final, while a finished request's last spills may
+    still be landing (zero-token steps carry them, INV-15) and keep host
+    blocks leased, which a prefix-cache reset refuses."""
+    sched = core(llm).scheduler
+    while sched.has_requests() and time.time() < deadline:
+        llm.llm_engine.step()
+
+
 def run_scenario(llm, name: str, deadline: float, plan: list | None = None,
                  out_tokens: int = 0) -> tuple[dict[str, dict], list, dict | None]:
     """Every call of the scenario in order, from an empty prefix cache, on
@@ -722,6 +732,7 @@ def run_scenario(llm, name: str, deadline: float, plan: list | None = None,
     # serves a prefix hit from the FIRST block cached for a hash: a
     # follow-up would read the previous replay's KV of the same tokens,
     # computed under another schedule (run 27's `returning` failure).
+    settle(llm, deadline)
     if not llm.reset_prefix_cache():
         raise ScenarioAborted("aborted: the prefix cache could not be reset before it")
     tap = core(llm).scheduler._hs_tap

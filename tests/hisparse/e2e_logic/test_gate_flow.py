@@ -73,6 +73,9 @@ class Scheduler:
     def _preempt_request(self, *a) -> None:
         pass
 
+    def has_requests(self) -> bool:
+        return bool(self.running or self.waiting) or self.owner.push_work > 0
+
     def make_spec_decoding_stats(self, stats, num_draft_tokens, num_accepted_tokens,
                                  num_invalid_spec_tokens, request_id):
         return None  # log stats off, as in the gate
@@ -125,6 +128,9 @@ class FakeLLM:
         self.no_pressure = self.hisparse and hs.admission_max_tokens is not None
         self.cache: dict[tuple, int] = {}  # cached prompt -> its chunks
         self.resets = 0
+        # HiSparse's last spills after generate() returns: zero-token steps
+        # land them, and a reset before they land fails (as the real pool)
+        self.push_work = 0
         self.k = (kw.get("speculative_config") or {}).get("num_speculative_tokens", 0)
         self.model = Model()
         self.drafter = Drafter(self.model) if self.k else None
@@ -184,6 +190,10 @@ class FakeLLM:
                         None, num_draft_tokens=self.k, num_accepted_tokens=self.accepted(p),
                         num_invalid_spec_tokens=None, request_id=r.request_id)
         self.steps += 1
+        if self.push_work:
+            self.push_work -= 1
+        elif self.hisparse and outs and not sched.running and not sched.waiting:
+            self.push_work = 2  # the finished requests' spills still landing
         if self.hisparse:
             self.stats().lost_pages += 3 * (not self.no_pressure)
             self.stats().pages_adopted += self.no_pressure
@@ -233,6 +243,8 @@ class FakeLLM:
         return [fn(self.model)]
 
     def reset_prefix_cache(self):
+        if self.push_work:
+            return False  # host blocks still leased by spills in flight
         self.resets += 1
         self.cache.clear()
         return not self.skew.get("reset_fails")

@@ -147,9 +147,10 @@ def child_env(variant: str, trace: Path | None = None, audit: bool = False,
     return env
 
 
-def compilation_config(deterministic: bool) -> dict:
-    """What every soak process compiles with (server, replay, twin)."""
-    return {"inductor_compile_config": dict(DETERMINISTIC_INDUCTOR)} if deterministic else {}
+def compilation_config(deterministic: bool) -> dict | None:
+    """What every soak process compiles with (server, replay, twin); None:
+    vLLM's defaults."""
+    return {"inductor_compile_config": dict(DETERMINISTIC_INDUCTOR)} if deterministic else None
 
 
 # ------------------------------------------------------------ the server

@@ -391,3 +391,32 @@ def test_r30_no_wait_without_a_pending_publication(build):
     assert hs(s).stats.publication_waits == 0
     drain(s, w)
     check_drained(s)
+
+
+def test_r30_a_publication_that_never_lands_holds_an_admission_only_so_long(build):
+    """R30, liveness (F20's class): the wait is bounded; when the parent's
+    spills never land the follow-up computes the pages itself after
+    MAX_PUBLICATION_WAITS attempts, and an abort while waiting leaves no
+    count behind."""
+    from vllm.v1.hisparse.constants import MAX_PUBLICATION_WAITS
+
+    s, w = build()
+    parent = make_request("parent", prompt(256), 1)
+    s.add_request(parent)
+    w.hold = set(range(1, 1000))  # held for the whole test
+    step(s, w)
+    follow = make_request("follow", prompt(256) + prompt(100, 7), 4)
+    s.add_request(follow)
+    for _ in range(MAX_PUBLICATION_WAITS):
+        assert "follow" not in step(s, w).num_scheduled_tokens
+    so = step(s, w)
+    assert so.num_scheduled_tokens["follow"] > 0  # computes the pages itself
+    assert hs(s).stats.publication_waits == MAX_PUBLICATION_WAITS
+    other = make_request("other", prompt(256) + prompt(50, 8), 4)
+    s.add_request(other)
+    assert "other" not in step(s, w).num_scheduled_tokens
+    abort(s, ["other"])
+    assert "other" not in hs(s)._publication_waits
+    w.hold = set()
+    drain(s, w)
+    check_drained(s)

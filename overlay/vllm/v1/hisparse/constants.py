@@ -13,6 +13,12 @@ from vllm.config.hisparse import MAX_DEVICE_BUFFER_SIZE
 # resident admission cap adds them on top of the in-flight window (spec 2.4).
 ACTIVE_TAIL_PAGES = 2
 
+# Scheduling attempts an admission waits for a finished request's pages to be
+# published before it computes them itself (docs/residency.md R30). Spills
+# land within a few steps; the bound keeps a publication that never lands
+# from holding the request back forever.
+MAX_PUBLICATION_WAITS = 64
+
 # The pinned host pool may use at most this fraction of the RAM that psutil
 # reports as available when the check runs (spec 3.3, 6.3 #13).
 HOST_RAM_LIMIT_FRACTION = 0.95
@@ -57,6 +63,7 @@ INDEXER_CACHE_SUFFIX = ".indexer.k_cache"
 
 __all__ = [
     "ACTIVE_TAIL_PAGES",
+    "MAX_PUBLICATION_WAITS",
     "BF16_MLA_ROW_BYTES",
     "FP8_DS_MLA_ROW_BYTES",
     "HOST_RAM_LIMIT_FRACTION",

@@ -49,7 +49,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
-from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES
+from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES, MAX_PUBLICATION_WAITS
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.request import Request
 
@@ -246,8 +246,10 @@ class HiSparseCoordinator:
         self._hot_freed: list[int] = []
         self._cow_pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         self._cow_in_flight: dict[int, tuple[KVCacheBlock, KVCacheBlock]] = {}
-        # R30: block hash -> detached publications that will publish it
+        # R30: block hash -> detached publications that will publish it;
+        # request id -> the attempts it has waited so far
         self._publishing: dict[object, int] = {}
+        self._publication_waits: dict[str, int] = {}
         self.stats = HiSparseSchedulerStats()
 
     def bind_managers(
@@ -386,11 +388,15 @@ class HiSparseCoordinator:
         compute that page again, and the prefix cache would then hold two
         computations of the same tokens (vLLM's kernels are not batch
         invariant), its groups possibly serving different ones to later
-        hits. Waiting costs the step or two until the spills land."""
+        hits. Waiting costs the step or two until the spills land; after
+        MAX_PUBLICATION_WAITS attempts it computes them after all."""
         page = num_computed_tokens // self.block_size
         hashes = request.block_hashes
-        if page >= len(hashes) or hashes[page] not in self._publishing:
+        waited = self._publication_waits.pop(request.request_id, 0)
+        if (page >= len(hashes) or hashes[page] not in self._publishing
+                or waited >= MAX_PUBLICATION_WAITS):
             return False
+        self._publication_waits[request.request_id] = waited + 1
         self.stats.publication_waits += 1
         return True
 
@@ -862,6 +868,7 @@ class HiSparseCoordinator:
         spills pending detaches its host prefix for a single later
         publication; a preempted one drops its publication (INV-19).
         """
+        self._publication_waits.pop(request_id, None)  # aborted while waiting
         st = self.states.pop(request_id, None)
         if st is None:
             return

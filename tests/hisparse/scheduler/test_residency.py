@@ -420,3 +420,32 @@ def test_r30_a_publication_that_never_lands_holds_an_admission_only_so_long(buil
     w.hold = set()
     drain(s, w)
     check_drained(s)
+
+
+def test_r30_under_async_scheduling_with_late_and_lost_acks(build):
+    """R30 under vLLM's default async scheduling (one step in flight) with
+    delayed and lost acks: the follow-up waits while its parent's pages are
+    still being published, then hits them all; every read the simulated
+    worker checks holds what the model wrote."""
+    from tests.hisparse.scheduler.harness import AsyncDriver
+
+    s, w = build(async_scheduling=True, faults=Faults(max_delay=2, lose_ack_prob=0.1))
+    driver = AsyncDriver(s, w)
+    parent = make_request("parent", prompt(256), 1)
+    s.add_request(parent)
+    w.hold = set(range(1, 1000))
+    while not parent.is_finished():
+        driver.step()
+    follow = make_request("follow", prompt(256) + prompt(100, 7), 4)
+    s.add_request(follow)
+    for _ in range(3):
+        assert "follow" not in driver.step().num_scheduled_tokens
+    w.hold = set()
+    while "follow" not in (so := driver.step()).num_scheduled_tokens:
+        pass
+    assert so.num_scheduled_tokens["follow"] == 100  # the 4 pages were hit
+    assert hs(s).stats.publication_waits >= 3
+    while driver.busy():
+        driver.step()
+    check_drained(s)
+    assert w.reads_checked > 0

@@ -81,7 +81,7 @@ else
   [[ "$(basename "$wheel")" == "vllm-$HS_VERSION-"* ]] || hs_die "$(basename "$wheel") is not vllm $HS_VERSION (VERSION)"
   wheel_sha=$(hs_sha256 "$wheel")
 fi
-series_sha=$( (LC_ALL=C; cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch) | sha256sum | cut -d' ' -f1)  # C: the glob order
+series_sha=$(hs_series_sha256)
 overlay_sha=$("$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -d' ' -f1)
 commit=$(git -C "$HS_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)
 [[ -z "$(git -C "$HS_ROOT" status --porcelain -- patches overlay scripts ci UPSTREAM VERSION 2>/dev/null)" ]] || commit="$commit-dirty"

@@ -99,7 +99,8 @@ hs_series_names() {
 # test.sh and, without lib.sh, by test-gpu.sh on the GPU host).
 # LC_ALL=C: the glob order (and so the sha) must not depend on the locale
 # (en_US sorts kv-offload-* after kvcache-*, C before).
-hs_series_sha() { (LC_ALL=C; cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch 2>/dev/null) | sha256sum | cut -c1-16; }
+hs_series_sha256() { (LC_ALL=C; cat "$HS_PATCHES/series" "$HS_PATCHES"/*.patch) | sha256sum | cut -d' ' -f1; }
+hs_series_sha() { hs_series_sha256 2>/dev/null | cut -c1-16; }
 hs_overlay_sha() { "$HS_PY" "$HS_ROOT/scripts/patchtool.py" manifest --root "$HS_ROOT" | sha256sum | cut -c1-16; }
 
 # Pristine pin as a git repository (built by fetch.sh).

@@ -273,8 +273,8 @@ SCENARIO_ORDER = ("single6k", "single12k", "short_topk", "concurrent", "host_pre
 # HiSparse engines' scenarios. "returning" may hit F21 (staging capacity) and
 # "fault_probe" poisons the host prefix cache: each comes last where it runs.
 ON_PLAN = {
-    # returning ran only on the audit engine until run 27 (whose per-step
-    # synchronization hides a copy/forward race); here it runs without it
+    # returning without the mirror audit (its per-step synchronization
+    # removes every copy/forward overlap); on_c2k_audit runs it with it
     "on_c2k": ["single6k", "single12k", "short_topk", "concurrent", "host_prefix",
                "equal_followups", "chat_chain", "returning", "fault_probe"],
     "on_c2k_audit": ["single6k", "concurrent", "host_prefix", "chat_chain", "returning"],

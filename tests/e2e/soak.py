@@ -106,8 +106,8 @@ def hisparse_flags() -> list[str]:
 
 
 def server_command(model: Path, port: int, deterministic: bool = True) -> list[str]:
-    compile_flags = (["--compilation-config", json.dumps(compilation_config(True))]
-                     if deterministic else [])
+    config = compilation_config(deterministic)
+    compile_flags = ["--compilation-config", json.dumps(config)] if config else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", "tiny",
             "--load-format", "hisparse_seeded", "--port", str(port),

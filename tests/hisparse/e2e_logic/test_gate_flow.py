@@ -56,7 +56,7 @@ class Scheduler:
 
     def __init__(self, owner) -> None:
         self.owner = owner
-        # an engine with the offloader reports external tokens at admission
+        # an engine with the offloader reports its hit as external tokens
         self.connector = (SimpleNamespace(update_state_after_alloc=lambda r, b, n: None)
                           if owner.kw.get("kv_transfer_config") else None)
         self.running: list = []
@@ -102,8 +102,8 @@ class Scheduler:
             if r.request_id in out:
                 self.waiting.remove(r)
                 self.running.append(r)
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(r, None, self.block_size)
+                if self.connector is not None and r.hit_tokens:
+                    self.connector.update_state_after_alloc(r, None, r.hit_tokens)
         return SimpleNamespace(num_scheduled_tokens=out, scheduled_new_reqs=[])
 
 
@@ -127,7 +127,6 @@ class FakeLLM:
         self.hisparse = hs is not None
         self.no_pressure = self.hisparse and hs.admission_max_tokens is not None
         self.cache: dict[tuple, int] = {}  # cached prompt -> its chunks
-        self.resets = 0
         # HiSparse's last spills after generate() returns: zero-token steps
         # land them, and a reset before they land fails (as the real pool)
         self.push_work = 0
@@ -166,13 +165,19 @@ class FakeLLM:
             self.counter += 1
             self.pending[rid] = (p["prompt_token_ids"], sp)
             ids.append(f"{rid}-1a2b3c4d")
+            hit = self.cached_prefix(p["prompt_token_ids"])
             self.scheduler().waiting.add_request(SimpleNamespace(
                 request_id=ids[-1], arrival_time=self.counter, left=len(p["prompt_token_ids"]),
-                chunks=0))
+                chunks=0, hit_tokens=len(hit) if hit else 0))
         return ids
 
     def scheduler(self):
         return self.llm_engine.engine_core.engine_core.scheduler
+
+    def cached_prefix(self, prompt) -> tuple | None:
+        """The longest cached prompt that ``prompt`` extends, if any."""
+        return max((k for k in self.cache if len(k) < len(prompt)
+                    and tuple(prompt[:len(k)]) == k), key=len, default=None)
 
     def step(self):
         sched = self.scheduler()
@@ -209,8 +214,7 @@ class FakeLLM:
         base = (sum(prompt[-8:]) + early + 7 * corrupt) % 8000
         bits = self.skew.get("bits", 0.0) if self.hisparse else 0.0
         toks = [(base + i) % 8000 + 2 for i in range(sp.max_tokens)]
-        hit = max((k for k in self.cache if len(k) < len(prompt)
-                   and tuple(prompt[:len(k)]) == k), key=len, default=None)
+        hit = self.cached_prefix(prompt)
         cached_chunks = self.cache[hit] if hit is not None else 0
         self.cache.setdefault(tuple(prompt), chunks)
         # Batch variance: the low bits depend on how the prompt was chunked,
@@ -245,7 +249,6 @@ class FakeLLM:
     def reset_prefix_cache(self):
         if self.push_work:
             return False  # host blocks still leased by spills in flight
-        self.resets += 1
         self.cache.clear()
         return not self.skew.get("reset_fails")
 

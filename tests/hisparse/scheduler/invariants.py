@@ -125,8 +125,14 @@ def check_invariants(scheduler: Scheduler) -> None:
                 f"INV-21: {req_id} reads from host without being hot-required")
         assert (st.dirty_from != _CLEAN) == (st in hs._dirty), (
             f"{req_id}: dirty_from {st.dirty_from} disagrees with the dirty set (R4)")
-        for p in st.pending:
-            assert p not in st.valid, f"INV-16: {req_id} page {p} pending and valid"
+        for p, tid in st.pending.items():
+            # A restore (4.13) copies a valid page back to its resident block.
+            assert p not in st.valid or hs.pending_spills[tid].restore, (
+                f"INV-16: {req_id} page {p} pending and valid")
+        if st.importing is not None:
+            imported = set(st.importing.pages)
+            assert not imported & (st.valid | set(st.pending)), (
+                f"INV-30: {req_id} importing pages valid or in transfer")
         pending_total += len(st.pending)
         num_cached = coord.single_type_managers[coord.source_group_id].num_cached_block.get(req_id, 0)
         assert num_cached <= st.ready_prefix, (

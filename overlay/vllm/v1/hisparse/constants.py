@@ -19,6 +19,12 @@ ACTIVE_TAIL_PAGES = 2
 # from holding the request back forever.
 MAX_PUBLICATION_WAITS = 64
 
+# Scheduling attempts a P/D import that is not admissible waits (neither its
+# device nor its host landing fits, spec 4.13 step 1) before the request
+# computes its prompt itself (docs/pd-imports.md). The same bound as R30: an
+# import never holds a request back forever, and never preempts (INV-30).
+MAX_IMPORT_WAITS = 64
+
 # The pinned host pool may use at most this fraction of the RAM that psutil
 # reports as available when the check runs (spec 3.3, 6.3 #13).
 HOST_RAM_LIMIT_FRACTION = 0.95
@@ -63,6 +69,7 @@ INDEXER_CACHE_SUFFIX = ".indexer.k_cache"
 
 __all__ = [
     "ACTIVE_TAIL_PAGES",
+    "MAX_IMPORT_WAITS",
     "MAX_PUBLICATION_WAITS",
     "BF16_MLA_ROW_BYTES",
     "FP8_DS_MLA_ROW_BYTES",

@@ -85,6 +85,10 @@ STAGING_BLOCKS_USED = "vllm:hisparse_staging_blocks_used"
 SCHEDULER_WAITS = "vllm:hisparse_scheduler_waits"
 STAGING_DEFERRALS = "vllm:hisparse_staging_deferrals"
 PUBLICATION_WAITS = "vllm:hisparse_publication_waits"
+IMPORT_DEVICE_PAGES = "vllm:hisparse_import_device_pages"
+IMPORT_HOST_PAGES = "vllm:hisparse_import_host_pages"
+IMPORT_WAITS = "vllm:hisparse_import_waits"
+IMPORT_FALLBACKS = "vllm:hisparse_import_fallbacks"
 
 METRICS: dict[str, MetricSpec] = {
     m.name: m
@@ -183,6 +187,28 @@ METRICS: dict[str, MetricSpec] = {
             PUBLICATION_WAITS, COUNTER,
             "Admissions deferred a step because the request's prefix hit "
             "stopped at a page a finished request was still publishing.",
+            "scheduler",
+        ),
+        MetricSpec(
+            IMPORT_DEVICE_PAGES, COUNTER,
+            "P/D-imported pages that landed in resident GPU pages (spec 4.13).",
+            "scheduler",
+        ),
+        MetricSpec(
+            IMPORT_HOST_PAGES, COUNTER,
+            "P/D-imported pages that landed in the host pool (spec 4.13).",
+            "scheduler",
+        ),
+        MetricSpec(
+            IMPORT_WAITS, COUNTER,
+            "Admissions deferred a step because neither landing of their P/D "
+            "import fitted (never a preemption, INV-30).",
+            "scheduler",
+        ),
+        MetricSpec(
+            IMPORT_FALLBACKS, COUNTER,
+            "P/D imports given up for recomputation (bounded waits exhausted, "
+            "or the load failed).",
             "scheduler",
         ),
     )
@@ -316,6 +342,10 @@ _SCHEDULER_COUNTERS: tuple[tuple[str, str], ...] = (
     (SCHEDULER_WAITS, "waits_for_in_flight"),
     (STAGING_DEFERRALS, "staging_deferrals"),
     (PUBLICATION_WAITS, "publication_waits"),
+    (IMPORT_DEVICE_PAGES, "import_device_pages"),
+    (IMPORT_HOST_PAGES, "import_host_pages"),
+    (IMPORT_WAITS, "import_waits"),
+    (IMPORT_FALLBACKS, "import_fallbacks"),
 )
 """Metric name -> ``HiSparseSchedulerStats`` field."""
 

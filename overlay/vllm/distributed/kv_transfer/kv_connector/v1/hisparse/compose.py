@@ -13,12 +13,23 @@ none                                  HiSparseConnector (kv_both)
 OffloadingConnector (any spec)        MultiConnector[HiSparseConnector,
                                       HiSparseOffloadingConnector (same
                                       extra config)]
+ExampleConnector or                   MultiConnector[HiSparseConnector,
+SparseMLAExampleConnector,            HiSparseImportingConnector (same role
+kv_consumer or kv_both (P/D decode)   and extra config)], the user's role
 MultiConnector[...]                   HiSparseConnector first (inserted if
                                       absent), every OffloadingConnector
-                                      child -> HiSparseOffloadingConnector
+                                      child -> HiSparseOffloadingConnector,
+                                      an ExampleConnector child ->
+                                      HiSparseImportingConnector
 HiSparseConnector                     accepted as is
-P/D roles, any other connector        HiSparseConfigError naming the setting
+kv_producer, an offloader beside an   HiSparseConfigError naming the setting
+importer, any other connector
 ====================================  ======================================
+
+P/D (spec 4.13, docs/pd-imports.md): HiSparse runs on the decode instance
+and imports what a HiSparse-off prefill instance saved; the composed
+importer only imports (under kv_both too). An offloader beside it is refused:
+both would claim a request's external tokens.
 
 ``host_pool_gib`` may be given in an explicit HiSparseConnector's
 ``kv_connector_extra_config``; it is moved into ``hisparse_config`` (the one
@@ -43,7 +54,10 @@ if TYPE_CHECKING:
 
 HISPARSE = "HiSparseConnector"
 HISPARSE_OFFLOADING = "HiSparseOffloadingConnector"
+HISPARSE_IMPORTING = "HiSparseImportingConnector"
 OFFLOADING = "OffloadingConnector"
+EXAMPLE = "ExampleConnector"
+SPARSE_EXAMPLE = "SparseMLAExampleConnector"
 MULTI = "MultiConnector"
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
@@ -52,10 +66,17 @@ _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 _MODULES = {
     HISPARSE: f"{_V1}.hisparse.connector",
     HISPARSE_OFFLOADING: f"{_V1}.hisparse.offloading",
+    HISPARSE_IMPORTING: f"{_V1}.hisparse.importing",
     OFFLOADING: f"{_V1}.offloading_connector",
+    EXAMPLE: f"{_V1}.example_connector",
+    SPARSE_EXAMPLE: f"{_V1}.hisparse.importing",
     MULTI: f"{_V1}.multi_connector",
 }
 _ROLE = "kv_both"
+_CONSUMER = "kv_consumer"
+# Connectors whose P/D files HiSparse imports; the composed child is always
+# the importer, named with its module (it is not in vLLM's registry).
+_IMPORTERS = (EXAMPLE, SPARSE_EXAMPLE, HISPARSE_IMPORTING)
 
 
 def compose_kv_transfer_config(vllm_config: "VllmConfig") -> None:
@@ -87,9 +108,21 @@ def _compose(
         connectors, hisparse_config = _compose_children(
             extra.get("connectors"), hisparse_config
         )
+        if ktc.kv_role == _CONSUMER and not _imports(connectors):
+            _check_role(ktc.kv_role, f"{where} (no ExampleConnector child)")
         composed = {**extra, "connectors": connectors}
         ktc = dataclasses.replace(ktc, kv_connector_extra_config=composed)
         return ktc, hisparse_config
+    if ktc.kv_connector in _IMPORTERS:
+        wrapped = dataclasses.replace(
+            ktc,
+            kv_connector=MULTI,
+            kv_connector_module_path=None,
+            kv_connector_extra_config={
+                "connectors": [_hisparse_child(), _importer_child(ktc.kv_role, extra)]
+            },
+        )
+        return wrapped, hisparse_config
     # An offloader: it keeps the indexer KV, HiSparse the sparse-MLA KV.
     offloader = {
         "kv_connector": HISPARSE_OFFLOADING,
@@ -107,6 +140,21 @@ def _compose(
 
 def _hisparse_child() -> dict[str, Any]:
     return {"kv_connector": HISPARSE, "kv_role": _ROLE}
+
+
+def _importer_child(role: str | None, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The P/D consumer side under HiSparse, with the user's role and extra
+    config (``shared_storage_path``)."""
+    return {
+        "kv_connector": HISPARSE_IMPORTING,
+        "kv_connector_module_path": _MODULES[HISPARSE_IMPORTING],
+        "kv_role": role or _ROLE,
+        "kv_connector_extra_config": dict(extra),
+    }
+
+
+def _imports(children: list[dict[str, Any]]) -> bool:
+    return any(c.get("kv_connector") == HISPARSE_IMPORTING for c in children)
 
 
 def _hisparse_alone(ktc: KVTransferConfig | None) -> KVTransferConfig:
@@ -158,8 +206,21 @@ def _compose_children(
                 k: v for k, v in child.items() if k != "kv_connector_module_path"
             }
             others.append({**swapped, "kv_connector": HISPARSE_OFFLOADING})
+        elif name in _IMPORTERS:
+            others.append(_importer_child(
+                child.get("kv_role"), child.get("kv_connector_extra_config") or {}
+            ))
         else:
             others.append(dict(child))
+    names = [c["kv_connector"] for c in others]
+    if names.count(HISPARSE_IMPORTING) > 1 or (
+        HISPARSE_IMPORTING in names and HISPARSE_OFFLOADING in names
+    ):
+        raise HiSparseConfigError(
+            f"{where}: HiSparse imports P/D KV through one ExampleConnector and "
+            f"no {OFFLOADING} beside it (both would claim a request's external "
+            "tokens); list one of them."
+        )
     # First, so that its worker hooks run before the offloader's and the
     # composed config is canonical (it never claims external tokens, so the
     # MultiConnector's "first child with a hit loads" policy is unaffected).
@@ -173,25 +234,34 @@ def _check_connector(
     where: str,
     allow_multi: bool = True,
 ) -> None:
-    _check_role(role, where)
+    _check_role(role, where, consumer=name in _IMPORTERS or name == MULTI)
     known = name in _MODULES and (allow_multi or name != MULTI)
     if not known or module_path not in (None, _MODULES[name]):
         shown = name if module_path is None else f"{name} from {module_path}"
         raise HiSparseConfigError(
             f"HiSparse composes only with {OFFLOADING} (any offloading spec; "
-            f"it keeps the indexer KV while HiSparse keeps the sparse-MLA KV), "
-            f"optionally inside a {MULTI}; {where}.kv_connector={shown!r} is "
-            "not supported. Remove it, or remove attention_config.hisparse_config."
+            f"it keeps the indexer KV while HiSparse keeps the sparse-MLA KV) "
+            f"or, on a P/D decode instance, {EXAMPLE}, optionally inside a "
+            f"{MULTI}; {where}.kv_connector={shown!r} is not supported. Remove "
+            "it, or remove attention_config.hisparse_config."
         )
 
 
-def _check_role(role: str | None, where: str) -> None:
-    if role not in (None, _ROLE):
+def _check_role(role: str | None, where: str, consumer: bool = False) -> None:
+    allowed = (None, _ROLE, _CONSUMER) if consumer else (None, _ROLE)
+    if role in allowed:
+        return
+    if consumer:
         raise HiSparseConfigError(
-            f"HiSparse does not support {where}.kv_role={role!r} (only "
-            f"{_ROLE!r}): disaggregated prefill/decode with HiSparse is not "
-            "supported yet (phase 2)."
+            f"HiSparse does not support {where}.kv_role={role!r}: it runs on the "
+            f"P/D decode instance ({_CONSUMER!r} or {_ROLE!r}); run the prefill "
+            "instance with HiSparse off."
         )
+    raise HiSparseConfigError(
+        f"HiSparse does not support {where}.kv_role={role!r} (only {_ROLE!r}) "
+        f"with this connector; disaggregated prefill/decode needs {EXAMPLE} "
+        f"({_CONSUMER!r}) on the decode instance."
+    )
 
 
 def _adopt_host_pool_gib(
@@ -221,6 +291,7 @@ def _adopt_host_pool_gib(
 
 __all__ = [
     "HISPARSE",
+    "HISPARSE_IMPORTING",
     "HISPARSE_OFFLOADING",
     "compose_kv_transfer_config",
 ]

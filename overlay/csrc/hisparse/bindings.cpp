@@ -25,6 +25,15 @@ STABLE_TORCH_LIBRARY(hisparse_ops, m) {
       "order_plan(Tensor(a!) plan_src, Tensor(b!) plan_dst, "
       "Tensor plan_count) -> ()");
   m.def(
+      "order_step(Tensor plan_src, Tensor plan_count, int host_rows, "
+      "Tensor(a!) keys, Tensor(b!) cells, Tensor(c!) sorted_keys, "
+      "Tensor(d!) sorted_cells, Tensor(e!) total, Tensor(f!) temp) -> ()");
+  m.def(
+      "gather_ordered(Tensor src, Tensor(a!) dst, Tensor plan_src, "
+      "Tensor plan_dst, Tensor order, Tensor total) -> ()");
+  m.def(
+      "order_step_temp_bytes(int cells, int host_rows, int device) -> int");
+  m.def(
       "gather_plan(Tensor src, Tensor(a!) dst, Tensor src_rows, "
       "Tensor dst_rows, Tensor mask, Tensor? req_state, "
       "Tensor(b!)? out_rows, int attn_block_stride) -> ()");
@@ -48,6 +57,8 @@ STABLE_TORCH_LIBRARY_IMPL(hisparse_ops, CUDA, m) {
   m.impl("resolve_residency", TORCH_BOX(&hisparse::resolve_residency));
   m.impl("gather_compact", TORCH_BOX(&hisparse::gather_compact));
   m.impl("order_plan", TORCH_BOX(&hisparse::order_plan));
+  m.impl("order_step", TORCH_BOX(&hisparse::order_step));
+  m.impl("gather_ordered", TORCH_BOX(&hisparse::gather_ordered));
   m.impl("gather_plan", TORCH_BOX(&hisparse::gather_plan));
   m.impl("invalidate_written_slots",
          TORCH_BOX(&hisparse::invalidate_written_slots));
@@ -58,4 +69,6 @@ STABLE_TORCH_LIBRARY_IMPL(hisparse_ops, CUDA, m) {
 // No tensor arguments, hence no device to dispatch on.
 STABLE_TORCH_LIBRARY_IMPL(hisparse_ops, CompositeExplicitAutograd, m) {
   m.impl("resolver_smem_bytes", TORCH_BOX(&hisparse::resolver_smem_bytes));
+  m.impl("order_step_temp_bytes",
+         TORCH_BOX(&hisparse::order_step_temp_bytes));
 }

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 //
-// The byte movers: K2 gather_compact (spec 5.2), K3 gather_plan (5.3) and
-// K5 copy_descriptors (5.5).
+// The byte movers: K2 gather_compact (spec 5.2), K3 gather_plan (5.3),
+// K5 copy_descriptors (5.5) and K7's gather_ordered (docs/kernels.md P9).
 //
 // K2/K3 grid: a persistent, fully occupied grid (8 CTAs of 8 warps per SM,
 // fewer for small plans) whose warps stride over the plan's cells in
@@ -74,6 +74,27 @@ __global__ void __launch_bounds__(kCopyThreads)
     // For 0 <= j < K, j < plan_count is j < clamp(plan_count, 0, K).
     if (e - row * top_k >= plan_count[row]) continue;
     move_row<kWidth>(src, dst, width, plan_src[e], plan_dst[e], lane);
+  }
+}
+
+// K7: the cells of order_step's sorted list, in list order (ascending host
+// row), the first clamp(total, 0, cells) of them; each entry is a cell
+// index into the plan, whose (src, dst) K2 would copy. Consecutive warps
+// take consecutive entries, so the rows in flight are neighbours in the
+// host pool whichever request planned them.
+template <int kWidth>
+__global__ void __launch_bounds__(kCopyThreads)
+    gather_ordered_kernel(const SrcRows src, const DstRows dst,
+                          const int64_t width, const int32_t* plan_src,
+                          const int32_t* plan_dst, const int32_t* order,
+                          const int32_t* total, const int64_t cells) {
+  const int lane = threadIdx.x & 31;
+  int64_t live = *total;
+  live = live < 0 ? 0 : (live > cells ? cells : live);
+  for (int64_t e = first_cell(); e < live; e += cell_stride()) {
+    const int64_t c = order[e];
+    if (c < 0 || c >= cells) continue;  // never an out-of-bounds read
+    move_row<kWidth>(src, dst, width, plan_src[c], plan_dst[c], lane);
   }
 }
 
@@ -232,6 +253,38 @@ void gather_compact(const Tensor& src, Tensor dst, const Tensor& plan_src,
         v.src, v.dst, v.width, ps, pd, pc, rows, top_k);
   });
   check_launch("gather_compact");
+}
+
+void gather_ordered(const Tensor& src, Tensor dst, const Tensor& plan_src,
+                    const Tensor& plan_dst, const Tensor& order,
+                    const Tensor& total) {
+  using ST = ScalarType;
+  STD_TORCH_CHECK(dst.is_cuda(), "dst must be a CUDA tensor");
+  const int device = dst.get_device_index();
+  check_cuda(plan_src, "plan_src", ST::Int, 2, device);
+  const int64_t cells = plan_src.numel();
+  check_cuda(plan_dst, "plan_dst", ST::Int, 2, device);
+  check_size(plan_dst, "plan_dst", 0, plan_src.size(0), "plan_src.size(0)");
+  check_size(plan_dst, "plan_dst", 1, plan_src.size(1), "plan_src.size(1)");
+  check_cuda(order, "order", ST::Int, 1, device);
+  check_size(order, "order", 0, cells, "plan_src.numel()");
+  check_cuda(total, "total", ST::Int, 1, device);
+  check_size(total, "total", 0, 1, "1");
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  const ByteViews v = check_byte_views(src, dst, device);
+  if (cells == 0 || v.dst.rows == 0) return;
+  // Sized for every cell: the live count is on the device only.
+  const unsigned grid = copy_grid(device, cells);
+  const cudaStream_t stream = current_stream(device);
+  const int32_t* ps = plan_src.const_data_ptr<int32_t>();
+  const int32_t* pd = plan_dst.const_data_ptr<int32_t>();
+  const int32_t* od = order.const_data_ptr<int32_t>();
+  const int32_t* tot = total.const_data_ptr<int32_t>();
+  dispatch_width(v.copy_width, [&](auto w) {
+    gather_ordered_kernel<decltype(w)::value><<<grid, kCopyThreads, 0, stream>>>(
+        v.src, v.dst, v.width, ps, pd, od, tot, cells);
+  });
+  check_launch("gather_ordered");
 }
 
 void gather_plan(const Tensor& src, Tensor dst, const Tensor& src_rows,

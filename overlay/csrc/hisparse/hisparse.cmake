@@ -23,6 +23,7 @@ if(VLLM_GPU_LANG STREQUAL "CUDA")
     "csrc/hisparse/invalidate.cu"
     "csrc/hisparse/mirror.cu"
     "csrc/hisparse/order_plan.cu"
+    "csrc/hisparse/order_step.cu"
     "csrc/hisparse/resolve_residency.cu"
     "csrc/hisparse/torch_glue.cpp")
 

@@ -37,6 +37,26 @@ void gather_compact(const Tensor& src, Tensor dst, const Tensor& plan_src,
 // source row, in place; rows of at most 2048 cells.
 void order_plan(Tensor plan_src, Tensor plan_dst, const Tensor& plan_count);
 
+// K7 (docs/kernels.md P9): the step's live plan cells as one list sorted by
+// source row (stable), through CUB radix sort over bit_length(host_rows)
+// bits; keys/cells/sorted_* int32 [rows*K], total int32 [1], temp uint8
+// of at least order_step_temp_bytes(rows*K, host_rows, device) bytes.
+void order_step(const Tensor& plan_src, const Tensor& plan_count,
+                int64_t host_rows, Tensor keys, Tensor cells,
+                Tensor sorted_keys, Tensor sorted_cells, Tensor total,
+                Tensor temp);
+
+// Bytes of CUB temporary storage order_step needs for `cells` plan cells
+// (queried once, when the workspace is allocated).
+int64_t order_step_temp_bytes(int64_t cells, int64_t host_rows,
+                              int64_t device);
+
+// K7's gather: K2's copies of the first clamp(total, 0, cells) cells of
+// order_step's sorted list, in list order.
+void gather_ordered(const Tensor& src, Tensor dst, const Tensor& plan_src,
+                    const Tensor& plan_dst, const Tensor& order,
+                    const Tensor& total);
+
 // K3 (spec 5.3).
 void gather_plan(const Tensor& src, Tensor dst, const Tensor& src_rows,
                  const Tensor& dst_rows, const Tensor& mask,

@@ -13,12 +13,16 @@ in ``vllm.v1.hisparse``; making them tunable would let a config break the
 invariants the implementation relies on.
 """
 
+from typing import Any, Literal
+
 from pydantic import field_validator
 
 from vllm.config.utils import config
 
 # Hot-buffer slot ids are int16 in the resolver's LRU state.
 MAX_DEVICE_BUFFER_SIZE = 32768
+# order_misses' string values: per plan row (K6), per step (K7).
+ORDER_MISSES_MODES = ("row", "step")
 
 
 @config
@@ -51,12 +55,12 @@ class HiSparseConfig:
     automatically from the parallel setup; True fails at startup when the
     setup is not eligible; False forces a private pool per rank."""
 
-    order_misses: bool | None = None
-    """Sort each step's host misses by host address before gathering them
-    (random reads of a large pinned pool run far below the link). None is
-    off (docs/kernels.md P9: the gain measured so far is small and the
-    launch it adds per step is not yet measured); True requires an
-    index_topk of at most 2048."""
+    order_misses: bool | Literal["row", "step"] | None = None
+    """Gather each step's host misses in host-address order (random reads
+    of a large pinned pool run far below the link; docs/kernels.md P9).
+    "row" (or true) sorts each plan row (K6; index_topk at most 2048),
+    "step" sorts all the step's misses as one list (K7). None or false is
+    off: the GPU measurements that would pick a default are not in yet."""
 
     @field_validator("host_pool_gib")
     @classmethod
@@ -95,6 +99,17 @@ class HiSparseConfig:
             )
         return value
 
+    @field_validator("order_misses", mode="before")
+    @classmethod
+    def _check_order_misses(cls, value: Any) -> Any:
+        # Before pydantic's own coercion, which would read 1 or "yes" as true.
+        if value is None or isinstance(value, bool) or value in ORDER_MISSES_MODES:
+            return value
+        raise ValueError(
+            f"hisparse_config.order_misses={value!r} must be true, false, "
+            '"row" or "step" (or left out)'
+        )
+
     def default_device_buffer_size(
         self, index_topk: int, max_decode_query_len: int
     ) -> int:
@@ -129,8 +144,9 @@ class HiSparseConfig:
           window (cap_res), i.e. how many GPU blocks a request holds.
         - ``shared_host_pool`` (left out): host pool topology (which TP rank
           writes, the OS-page rounded stride), outside the forward.
-        - ``order_misses`` (left out): one more launch inside the sparse
-          attention op (the order of the same copies); no shape changes.
+        - ``order_misses`` (left out): launches inside the sparse attention
+          op that change the order of the same copies (K6, or K7's key
+          build and sort); no shape changes.
         """
         from vllm.config.utils import hash_factors
 

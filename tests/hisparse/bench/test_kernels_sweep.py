@@ -38,7 +38,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 def test_defaults_keep_the_single_pinned_pool(bk):
     args = bk.parse_args([])
     assert args.pool_gibs == [4.0] and args.pool_gib == 4.0
-    assert args.pool_alloc == "pinned" and args.order == "plan,sorted,k6"
+    assert args.pool_alloc == "pinned" and args.order == "plan,sorted,k6,step"
     assert bk.pool_sweep(args) == [("pinned", 4.0)]
     assert bk.pool_sweep(bk.parse_args(["--skip-gather"])) == []
 
@@ -143,6 +143,34 @@ def test_sorted_plan_spans_rows_and_keeps_ties_in_cell_order(bk):
     assert ss.tolist() == [[1, 5, 5, 0], [7, 9, 0, 0], [3, 2, 0, 0]]
     assert sd.tolist() == [[10, 50, 51, -1], [70, 90, -1, -1],
                            [30, 20, -1, -1]]
+
+
+@pytest.mark.parametrize("scenario", ["miss_10", "miss_100"])
+def test_step_order_lists_the_plans_rows_in_host_order(bk, scenario):
+    """P9 / INV-36, arm (f) on the references: K7 over a bench plan (the
+    pool's host_rows, as step_runs passes them) lists every used cell once
+    in ascending host row across the whole step, and its gather writes the
+    slab K2 writes from the resolver's order."""
+    layout, plans = recorded_plans(bk, scenario)
+    ref = bk.REFERENCE
+    for ps, pd, pc in plans:
+        n = ps.numel()
+        bufs = {k: torch.full((n,), -5, dtype=torch.int32)
+                for k in ("keys", "cells", "sorted_keys", "sorted_cells")}
+        bufs["total"] = torch.zeros(1, dtype=torch.int32)
+        ref.ref_order_step(ps, pc, layout.host_rows, **bufs)
+        used = bk.plan_cells(ps, pc).reshape(-1)
+        total = int(bufs["total"][0])
+        listed = bufs["sorted_cells"][:total].long()
+        assert total == int(used.sum()) > 0
+        assert sorted(listed.tolist()) == torch.nonzero(used).flatten().tolist()
+        hosts = ps.reshape(-1)[listed]
+        assert torch.all(hosts[1:] >= hosts[:-1])
+        dst = torch.zeros(layout.n_gpu, bk.BLOCK, 64, dtype=torch.uint8)
+        src = torch.arange(layout.host_rows * 16, dtype=torch.int32)
+        ref.ref_gather_ordered(src.view(torch.uint8).view(layout.host_rows, 64),
+                               dst, ps, pd, bufs["sorted_cells"], bufs["total"])
+        assert torch.equal(dst, gathered(bk, layout, (ps, pd, pc)))
 
 
 def test_consecutive_rows_wrap(bk):
@@ -274,10 +302,23 @@ def test_p9_verdict(bk):
     assert not v["met"] and bk.p9_line(v).startswith("P9 NOT met")
     v = bk.p9_verdict(pools[:1])
     assert not v["evaluated"] and "16 GiB" in v["reason"]
-    # With K6 measured, serving's order is K6's (order_misses at these
-    # pools): it alone decides.
+    # P9 judges the best order serving can run (plan, k6, step), never the
+    # bench's torch-sorted order: K6 here.
     v = bk.p9_verdict([pool_entry("thp", 16, {"plan": 0.64, "sorted": 0.91, "k6": 0.88})])
     assert v["served_order"] == "k6" and v["met"]
-    assert bk.p9_line(v).startswith("P9 met (the k6 order's")
+    assert bk.p9_line(v).startswith("P9 met (the best served order, k6:")
+    # The best served order decides: K1's plan order here.
     v = bk.p9_verdict([pool_entry("thp", 16, {"plan": 0.95, "k6": 0.7})])
-    assert not v["met"]
+    assert v["met"] and v["served_order"] == "plan"
+    # K7 (step) meets it where K6 does not: the lead's expected shape.
+    v = bk.p9_verdict([pool_entry("pinned", 16, {"plan": 0.63, "sorted": 0.89,
+                                                 "k6": 0.74, "step": 0.85}),
+                       pool_entry("pinned", 32, {"plan": 0.6, "k6": 0.72,
+                                                 "step": 0.82})])
+    assert v["served_order"] == "step" and v["met"]
+    assert v["worst_vs_sequential"]["pinned/step"] == 0.82
+    assert bk.p9_line(v).startswith("P9 met (the best served order, step:")
+    # Judged on its worst allocation: step under 0.8x on one pool fails.
+    v = bk.p9_verdict([pool_entry("pinned", 16, {"k6": 0.74, "step": 0.85}),
+                       pool_entry("thp", 16, {"k6": 0.7, "step": 0.79})])
+    assert v["served_order"] == "step" and not v["met"]

@@ -135,6 +135,8 @@ def test_hash_covers_only_graph_shaping_fields():
         {"host_pool_gib": 64, "admission_max_tokens": 4096},
         {"host_pool_gib": 64, "shared_host_pool": True},
         {"host_pool_gib": 64, "order_misses": True},
+        {"host_pool_gib": 64, "order_misses": "row"},
+        {"host_pool_gib": 64, "order_misses": "step"},
     ]
     for fields in same:
         assert HiSparseConfig(**fields).compute_hash() == HiSparseConfig(
@@ -190,6 +192,31 @@ def test_python_api_rejects_the_same_values(fields, needle):
     """The same validation guards LLM(attention_config=...) users."""
     with pytest.raises(ValueError, match=needle):
         AttentionConfig(hisparse_config=fields)
+
+
+@pytest.mark.parametrize("value", [None, False, True, "row", "step"])
+def test_order_misses_values_parse(parse, value):
+    """P9: order_misses takes true/false (true = "row", K6), "row" or
+    "step" (K7's whole-step order); left out it is None (off)."""
+    fields = {"host_pool_gib": 8}
+    if value is not None:
+        fields["order_misses"] = value
+    args = parse("--attention-config", json.dumps({"hisparse_config": fields}))
+    assert hisparse_of(args).order_misses == value
+    assert type(hisparse_of(args).order_misses) is type(value)
+
+
+@pytest.mark.parametrize("value", ["Step", "sorted", 1, 0, "true", ["step"]])
+def test_order_misses_other_values_are_one_line_errors(parse, capsys, value):
+    """R1, P9: anything else is refused with one message naming the field
+    and the accepted values (no coercion of 1 or "true" to a mode)."""
+    err = rejected(parse, capsys, "--attention-config", json.dumps(
+        {"hisparse_config": {"host_pool_gib": 8, "order_misses": value}}))
+    needle = (f"hisparse_config.order_misses={value!r} must be true, false, "
+              '"row" or "step" (or left out)')
+    assert needle in err
+    with pytest.raises(ValueError, match="must be true, false"):
+        HiSparseConfig(host_pool_gib=8, order_misses=value)
 
 
 def test_max_device_buffer_size_is_accepted():

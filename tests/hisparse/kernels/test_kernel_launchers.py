@@ -210,6 +210,47 @@ def test_plan_and_descriptor_checks():
             torch.zeros(2, dtype=torch.int64), device=CPU)
 
 
+def test_k7_argument_checks():
+    """P9, 5.0 launch-time checks for K7: the flat buffers hold exactly the
+    plan's cells, total is one int32, the scratch is uint8, cell ids and
+    host rows fit int32 (INV-14); messages name the argument."""
+    i32 = torch.int32
+    plan = torch.zeros(3, 4, dtype=i32)
+    flat = {n: torch.zeros(12, dtype=i32)
+            for n in ("keys", "cells", "sorted_keys", "sorted_cells")}
+    ok = dict(plan_src=plan, plan_count=torch.zeros(3, dtype=i32),
+              host_rows=100, **flat, total=torch.zeros(1, dtype=i32),
+              temp=torch.zeros(8, dtype=torch.uint8), device=CPU)
+    assert kernels.validate_order_step(**ok) == 12
+    for name, bad, message in (
+            ("sorted_cells", torch.zeros(11, dtype=i32),
+             r"sorted_cells.shape\[0\] must equal plan_src.numel\(\) = 12"),
+            ("total", torch.zeros(2, dtype=i32), r"total.shape\[0\] must equal"),
+            ("temp", torch.zeros(8, dtype=i32), "temp must be torch.uint8"),
+            ("plan_count", torch.zeros(2, dtype=i32),
+             r"plan_count.shape\[0\] must equal plan_src.shape\[0\] = 3"),
+            ("host_rows", 2**31, r"host_rows=2147483648 must be in \[0, 2\^31\)")):
+        with pytest.raises(ValueError, match=message):
+            kernels.validate_order_step(**{**ok, name: bad})
+    with pytest.raises(ValueError, match="int32 ids"):
+        kernels.check_order_step_size(2**31, 100)
+    src = torch.zeros(4, 16, dtype=torch.uint8)
+    dst = torch.zeros(2, 4, 16, dtype=torch.uint8)
+    kernels.validate_gather_ordered(src, dst, plan, plan, flat["cells"],
+                                    ok["total"], device=CPU)
+    with pytest.raises(ValueError, match=r"order.shape\[0\] must equal "
+                       r"plan_src.numel\(\) = 12"):
+        kernels.validate_gather_ordered(src, dst, plan, plan,
+                                        torch.zeros(3, dtype=i32),
+                                        ok["total"], device=CPU)
+    with pytest.raises(ValueError, match="dst must be a CUDA tensor"):
+        kernels.gather_ordered(src, dst, plan, plan, flat["cells"],
+                               ok["total"])
+    with pytest.raises(ValueError, match="plan_src must be a CUDA tensor"):
+        kernels.order_step(plan, ok["plan_count"], 100, *flat.values(),
+                           ok["total"], ok["temp"])
+
+
 def test_new_hot_state_is_empty_and_ordered():
     """4.8 step 1 format: dgi all -1, every lru row 0..H-1 as int16."""
     dgi, lru = kernels.new_hot_state(3, 32768, CPU)

@@ -863,3 +863,105 @@ def test_k6_order_plan_sorts_each_row_by_source_and_keeps_the_pairs():
     reference.ref_gather_compact(src, want, plan_src, plan_dst, plan_count)
     reference.ref_gather_compact(src, got, ps, pd, plan_count)
     assert torch.equal(want, got)
+
+
+# ---------------------------------------------------------------------------
+# K7 order_step + gather_ordered (docs/kernels.md P9)
+# ---------------------------------------------------------------------------
+
+def step_order_buffers(cells: int) -> dict[str, torch.Tensor]:
+    """K7's outputs, poisoned so that a cell left unwritten shows."""
+    bufs = {name: torch.full((cells,), POISON, dtype=I32)
+            for name in ("keys", "cells", "sorted_keys", "sorted_cells")}
+    bufs["total"] = torch.full((1,), POISON, dtype=I32)
+    return bufs
+
+
+def test_k7_order_step_lists_live_cells_by_host_row_across_rows():
+    """P9 / INV-36, hand-worked: host_rows 100 -> 7 key bits, padding key
+    127. Live cells (j < clamp(count, 0, K); counts 3, -2 and 9 > K) get key
+    min(src, 126) (a negative source counts as past every row) and their
+    cell id; the rest key 127 and id -1. The sorted list is the live cells
+    in ascending key across all rows, equal keys in cell order (stable),
+    then the padding; total is the live count; the plan is not changed."""
+    plan_src = t32([[40, 7, -1, 99], [1, 2, 3, 4], [7, 500, 0, 55]])
+    plan_dst = t32([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    plan_count = t32([3, -2, 9])
+    ps, pd = plan_src.clone(), plan_dst.clone()
+    b = step_order_buffers(12)
+    reference.ref_order_step(ps, plan_count, 100, **b)
+    assert reference.step_key_bits(100) == 7
+    assert b["keys"].tolist() == [40, 7, 126, 127, 127, 127, 127, 127,
+                                  7, 126, 0, 55]
+    assert b["cells"].tolist() == [0, 1, 2, -1, -1, -1, -1, -1, 8, 9, 10, 11]
+    assert b["sorted_keys"].tolist() == [0, 7, 7, 40, 55, 126, 126] + [127] * 5
+    assert b["sorted_cells"].tolist() == [10, 1, 8, 0, 11, 2, 9] + [-1] * 5
+    assert b["total"].tolist() == [7]
+    assert torch.equal(ps, plan_src) and torch.equal(pd, plan_dst)
+
+
+@pytest.mark.parametrize("host_rows, bits", [(0, 1), (1, 1), (2, 2), (3, 2),
+                                             (4, 3), (2**31 - 1, 31)])
+def test_k7_key_bits_keep_every_host_row_below_the_padding(host_rows, bits):
+    """P9 / INV-14: the sort's bit count leaves the padding key 2^bits - 1
+    above every row of the pool (rows < host_rows < 2^31)."""
+    assert reference.step_key_bits(host_rows) == bits
+    assert host_rows - 1 < (1 << bits) - 1
+
+
+def test_k7_empty_plan_writes_nothing():
+    """P9: a plan of no rows is a no-op (the kernel launches nothing)."""
+    b = step_order_buffers(0)
+    reference.ref_order_step(torch.zeros(0, 8, dtype=I32),
+                             torch.zeros(0, dtype=I32), 1000, **b)
+    assert b["total"].tolist() == [POISON]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_k7_gather_ordered_writes_what_k2_writes_from_k1s_order(seed):
+    """P9 / INV-36, INV-39: on fuzzed plans (counts negative to > K,
+    negative sources, sources past the pool, tripped cells with dst -1,
+    destinations past N*B) the sorted list holds exactly K2's cells, its
+    live sources ascend, and K7's gather writes the slab K2 writes."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, K, host_rows = 6, 24, 300
+    plan_src, plan_dst, plan_count = random_plan(rows, K, host_rows, 400, gen)
+    b = step_order_buffers(rows * K)
+    reference.ref_order_step(plan_src, plan_count, host_rows, **b)
+    used = torch.arange(K)[None, :] < plan_count.clamp(0, K)[:, None]
+    total = int(b["total"][0])
+    assert total == int(used.sum()) > 0
+    listed = b["sorted_cells"][:total].long()
+    assert sorted(listed.tolist()) == torch.nonzero(used.reshape(-1)).flatten().tolist()
+    keys = b["sorted_keys"][:total]
+    assert torch.all(keys[1:] >= keys[:-1])
+    in_pool = plan_src.reshape(-1)[listed]
+    in_pool = in_pool[(in_pool >= 0) & (in_pool < 511)]
+    assert torch.all(in_pool[1:] >= in_pool[:-1])
+    src = random_rows(host_rows, 32, gen)
+    _, want = _strided_dst(10, 40, 32)
+    _, got = _strided_dst(10, 40, 32)
+    reference.ref_gather_compact(src, want, plan_src, plan_dst, plan_count)
+    reference.ref_gather_ordered(src, got, plan_src, plan_dst,
+                                 b["sorted_cells"], b["total"])
+    assert torch.equal(want, got)
+
+
+def test_k7_gather_ordered_skips_bad_entries_and_clamps_the_total():
+    """P9 / INV-37: entries past the total, negative ids and ids past the
+    plan are skipped, a total past the list is clamped to it, a negative
+    total copies nothing (never an out-of-bounds read)."""
+    plan_src = t32([[0, 1], [2, 3]])
+    plan_dst = t32([[0, 1], [2, 3]])
+    src = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+
+    def gathered(order, total):
+        base, dst = _strided_dst(1, 4, 16)
+        reference.ref_gather_ordered(src, dst, plan_src, plan_dst,
+                                     t32(order), t32([total]))
+        return [bool((dst[0, r] == src[r]).all()) for r in range(4)]
+
+    assert gathered([3, -1, 9, 0], 4) == [True, False, False, True]
+    assert gathered([3, 1, 2, 0], 2) == [False, True, False, True]
+    assert gathered([3, 1, 2, 0], 99) == [True] * 4
+    assert gathered([3, 1, 2, 0], -5) == [False] * 4

@@ -576,3 +576,155 @@ def test_k6_order_plan_refuses_rows_past_its_capacity(gpu_kernels):
     plan = torch.zeros(1, 4096, dtype=I32, device=CUDA)
     with pytest.raises(ValueError, match="at most 2048"):
         gpu_kernels.order_plan(plan, plan.clone(), torch.ones(1, dtype=I32, device=CUDA))
+
+
+# ---------------------------------------------------------------------------
+# K7 order_step + gather_ordered (docs/kernels.md P9)
+# ---------------------------------------------------------------------------
+
+def k7_plan(rows: int, top_k: int, host_rows: int, gen: torch.Generator):
+    """A plan with every count kind (negative, 0, 1, mid, K, > K), sources
+    repeated across rows (equal keys: the stable order shows), negative and
+    past-the-pool sources, tripped cells (dst -1)."""
+    ps = torch.randint(0, host_rows, (rows, top_k), generator=gen, dtype=I32)
+    ps[1::3, ::5] = ps[0, 0]
+    ps[2::4, 1::7] = -1
+    ps[3::5, 2::9] = min(host_rows + 3, 2**31 - 1)
+    pd = torch.randperm(rows * top_k + 64, generator=gen)[:rows * top_k]
+    pd = pd.to(I32).view(rows, top_k)
+    pd[::6, 3::11] = -1
+    kinds = [-3, 0, 1, top_k // 2, top_k, top_k + 9, max(top_k - 1, 0)]
+    pc = torch.tensor([kinds[r % len(kinds)] for r in range(rows)], dtype=I32)
+    return ps, pd, pc
+
+
+def k7_buffers(cells: int, host_rows: int, kernels, device) -> dict:
+    bufs = {name: torch.full((cells,), -777, dtype=I32, device=device)
+            for name in ("keys", "cells", "sorted_keys", "sorted_cells")}
+    bufs["total"] = torch.full((1,), -777, dtype=I32, device=device)
+    temp = 1 if device == "cpu" else kernels.order_step_temp_bytes(
+        cells, host_rows, torch.device(CUDA))
+    bufs["temp"] = torch.empty(max(temp, 1), dtype=torch.uint8, device=device)
+    return bufs
+
+
+@pytest.mark.parametrize("rows, top_k, host_rows", [
+    (7, 2, 1 << 20), (7, 40, 100), (9, 256, 1 << 20),
+    (64, 2048, 26_197_440), (3, 2048, 2**31 - 1)])
+def test_k7_order_step_matches_reference(gpu_kernels, rows, top_k, host_rows):
+    """P9 / INV-36: K7 equals the reference bit for bit (keys, cell ids,
+    the sorted list, the live total), through CUB's one-tile and
+    multi-pass paths (7 to 131,072 cells; 7 to 31 key bits; 26,197,440
+    rows is a 16 GiB pool of 656-B rows); the plan is not written."""
+    gen = torch.Generator().manual_seed(rows * top_k)
+    ps, pd, pc = k7_plan(rows, top_k, host_rows, gen)
+    want = k7_buffers(rows * top_k, host_rows, gpu_kernels, "cpu")
+    reference.ref_order_step(ps, pc, host_rows, **want)
+    got = k7_buffers(rows * top_k, host_rows, gpu_kernels, CUDA)
+    g_ps = ps.to(CUDA)
+    gpu_kernels.order_step(g_ps, pc.to(CUDA), host_rows, **got)
+    torch.cuda.synchronize()
+    for name in ("keys", "cells", "sorted_keys", "sorted_cells", "total"):
+        assert_same_tensor(name, got[name].cpu(), want[name])
+    assert_same_tensor("plan_src", g_ps.cpu(), ps)
+
+
+@pytest.mark.parametrize("width, src_kind", [(656, "pinned"), (656, "device"),
+                                             (16, "pinned")])
+def test_k7_gather_ordered_writes_what_k2_writes(gpu_kernels, width,
+                                                 src_kind):
+    """P9 / INV-36, INV-39: K7's gather over K7's list writes exactly the
+    bytes K2 (reference) writes from K1's order: zero-fill past the pool,
+    negative sources and dst -1 skipped, nothing else in the slab
+    touched."""
+    gen = torch.Generator().manual_seed(width)
+    rows, top_k, host_rows = 12, 64, 5000
+    ps, pd, pc = k7_plan(rows, top_k, host_rows, gen)
+    host = random_rows(host_rows, width, gen)
+    src = host.pin_memory() if src_kind == "pinned" else host.to(CUDA)
+    blocks = (rows * top_k + 64) // 32 + 1
+    backing, dst = strided_slab(blocks, 32, width, CUDA)
+    want_backing = backing.cpu()
+    want = want_backing[:blocks * (32 * width + 48)].view(blocks, -1)
+    want = want[:, :32 * width].view(blocks, 32, width)
+    reference.ref_gather_compact(host, want, ps, pd, pc)
+    bufs = k7_buffers(rows * top_k, host_rows, gpu_kernels, CUDA)
+    g_ps, g_pd = ps.to(CUDA), pd.to(CUDA)
+    gpu_kernels.order_step(g_ps, pc.to(CUDA), host_rows, **bufs)
+    gpu_kernels.gather_ordered(src, dst, g_ps, g_pd, bufs["sorted_cells"],
+                               bufs["total"])
+    torch.cuda.synchronize()
+    assert_same_tensor("slab", backing, want_backing)
+
+
+def test_k7_graph_capture_and_replay(gpu_kernels):
+    """P9 / K-12, INV-32: resolve + K7 (keys, CUB sort) + the leader's and a
+    follower's ordered gathers captured once and replayed over new top-k
+    give the bytes, rows and plan of eager K2 launches (no allocation, no
+    sync inside the step: the CUB scratch was sized once)."""
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=2048, hot_size=10240, block_size=64,
+                                  max_query_len=4, num_reqs=6,
+                                  groups_full=True, seed=7))
+    steps = [fuzz.step(0.7) for _ in range(4)]
+    W = 656
+    blocks = int(max(s.hot_bt.max() for s in steps[:1])) + 8
+    host = random_rows(steps[0].host_rows, W,
+                       torch.Generator().manual_seed(7)).pin_memory()
+    host_f = (host.to(torch.int32) ^ 0x5A).to(torch.uint8).pin_memory()
+    leader = torch.zeros(blocks, 64, W, dtype=torch.uint8, device=CUDA)
+    follower = torch.zeros_like(leader)
+    cells = steps[0].plan_src.numel()
+    bufs = k7_buffers(cells, steps[0].host_rows, gpu_kernels, CUDA)
+
+    def ordered(case, lead, foll):
+        run_kernel(gpu_kernels, case)
+        gpu_kernels.order_step(case.plan_src, case.plan_count, case.host_rows,
+                               **bufs)
+        for src, view in ((host, lead), (host_f, foll)):
+            gpu_kernels.gather_ordered(src, view, case.plan_src,
+                                       case.plan_dst, bufs["sorted_cells"],
+                                       bufs["total"])
+
+    def compact(case, lead, foll):
+        run_kernel(gpu_kernels, case)
+        for src, view in ((host, lead), (host_f, foll)):
+            gpu_kernels.gather_compact(src, view, case.plan_src,
+                                       case.plan_dst, case.plan_count)
+
+    eager = steps[0].to(CUDA)
+    e_lead, e_foll = leader.clone(), follower.clone()
+    static = steps[0].to(CUDA)
+    s_lead, s_foll = leader.clone(), follower.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside capture
+        ordered(static, s_lead, s_foll)
+    torch.cuda.current_stream().wait_stream(stream)
+    compact(eager, e_lead, e_foll)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ordered(static, s_lead, s_foll)
+    for i, case in enumerate(steps[1:]):
+        static.topk.copy_(case.topk.to(CUDA))
+        eager.topk.copy_(case.topk.to(CUDA))
+        graph.replay()
+        compact(eager, e_lead, e_foll)
+        torch.cuda.synchronize()
+        assert_same_case(static, eager, label=f"replay {i}: ")
+        assert_same_tensor("leader bytes", s_lead, e_lead)
+        assert_same_tensor("follower bytes", s_foll, e_foll)
+        assert int(bufs["total"][0]) == int(
+            static.plan_count.clamp(0, 2048).sum()) > 0
+
+
+def test_k7_refuses_a_temp_smaller_than_its_query(gpu_kernels):
+    """P9: a CUB scratch smaller than order_step_temp_bytes fails with a
+    message naming the query, instead of sorting nothing."""
+    ps = torch.zeros(64, 2048, dtype=I32, device=CUDA)
+    pc = torch.full((64,), 2048, dtype=I32, device=CUDA)
+    bufs = k7_buffers(64 * 2048, 1 << 24, gpu_kernels, CUDA)
+    need = bufs["temp"].numel()
+    assert need > 1
+    bufs["temp"] = bufs["temp"][:1]
+    with pytest.raises(RuntimeError, match="order_step_temp_bytes"):
+        gpu_kernels.order_step(ps, pc, 1 << 24, **bufs)

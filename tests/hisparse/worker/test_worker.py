@@ -577,6 +577,72 @@ def _decode_with_misses(order_misses: bool):
     return rows.clone(), counts.clone(), plan, hot
 
 
+def _decode_two_requests(order_misses):
+    """Two decode rows whose host-only page 0 lies on host block 9 (r0) and
+    5 (r1): across the step, r1's misses come first in host order. Returns
+    the leader's rows and counts, K1's plan after the leader, the slab
+    before and after leader + follower, and K7's list (None when off)."""
+    rig = WorkerRig(freq=2, order_misses=order_misses)
+    rt, layers = rig.rt, rig.layout.sparse_layers
+    rig.place(0, resident=[0, 4], host=[9, 6], hot=[20, 21])
+    rig.place(1, resident=[0, 8], host=[5, 10], hot=[30, 31])
+    for i, lv in enumerate(rt.layers.values()):
+        fill_pattern(lv.host, seed=10 + i)
+    fill_slab(rig)
+    rig.batch.schedule(computed=[100, 90], scheduled=[1, 1])
+    md = attn_metadata(rig.batch, 2, 2)
+    rig.worker.start_step(rig.meta(hot_regions_allocated=[20, 30],
+                                   hot_region_requests=["r0", "r1"]), md)
+    topk = torch.full((2, 64), -1, dtype=torch.int32)
+    topk[0, :5] = torch.tensor([40, 3, 77, 20, 9], dtype=torch.int32)  # 77: resident
+    topk[1, :5] = torch.tensor([2, 50, 11, 80, 33], dtype=torch.int32)  # 80: resident
+    leader, follower = layers[1], layers[2]
+    before = rig.slab.clone()
+    rows, counts = rt.decode_rows(leader, 2, topk, md.seq_lens, md.block_table)
+    ws = rt.workspace
+    plan = [t[:2].clone() for t in (ws.plan_src, ws.plan_dst, ws.plan_count)]
+    rt.decode_rows(follower, 2, topk, md.seq_lens, md.block_table)
+    order = ws.step_order
+    listed = None if order is None else (order.sorted_cells[:2 * 64].clone(),
+                                         int(order.total[0]))
+    after = rig.slab.clone()
+    rig.worker.finish_forward()
+    return rows.clone(), counts.clone(), plan, before, after, listed
+
+
+def test_k7_step_order_gathers_the_same_bytes_across_requests_in_host_order():
+    """P9 / INV-36 (K7, order_misses="step"): the leader's misses of both
+    requests are listed as one sequence in ascending host row (r1's block 5
+    before r0's block 9, across plan rows), the plan stays as K1 wrote it,
+    and the rows the attention reads, their counts and every byte of the
+    slab (leader and follower hot rows) equal K1's order through K2."""
+    rows, counts, plan, before, after, listed = _decode_two_requests(None)
+    s_rows, s_counts, s_plan, _, s_after, (cells, total) = _decode_two_requests("step")
+    assert not torch.equal(before, after)  # the misses were gathered
+    assert all(torch.equal(a, b) for a, b in zip(plan, s_plan))
+    assert plan[2].tolist() == [4, 4] and total == 8
+    flat_src = plan[0].reshape(-1)
+    hosts = flat_src[cells[:total].long()].tolist()
+    assert hosts == sorted(plan[0][:, :4].reshape(-1).tolist())
+    assert [int(c) // 64 for c in cells[:total]] == [1] * 4 + [0] * 4
+    assert (cells[total:] == -1).all()
+    assert torch.equal(rows, s_rows) and torch.equal(counts, s_counts)
+    assert torch.equal(after, s_after)
+
+
+def test_k6_row_order_gathers_the_same_bytes_across_requests():
+    """P9 / INV-36 (K6, order_misses="row", also true): each plan row sorted
+    in place; rows, counts and every slab byte as in K1's order."""
+    rows, counts, plan, _, after, _ = _decode_two_requests(None)
+    for mode in ("row", True):
+        r_rows, r_counts, r_plan, _, r_after, listed = _decode_two_requests(mode)
+        assert listed is None
+        assert r_plan[0][0, :4].tolist() == sorted(plan[0][0, :4].tolist())
+        assert r_plan[0][1, :4].tolist() == sorted(plan[0][1, :4].tolist())
+        assert torch.equal(rows, r_rows) and torch.equal(counts, r_counts)
+        assert torch.equal(after, r_after)
+
+
 def test_ordered_misses_gather_the_same_rows_in_host_order():
     """P9 / INV-36 (K6, hisparse_config.order_misses): with the plan sorted
     by host row, K1's misses are gathered in address order, and the rows the

@@ -40,12 +40,15 @@ W = 656
 
 
 class ReferenceOps:
-    """The seven ops with the launchers' signatures, on the CPU references."""
+    """The ops with the launchers' signatures, on the CPU references."""
 
     resolve_residency = staticmethod(reference.ref_resolve)
 
     gather_compact = staticmethod(reference.ref_gather_compact)
     order_plan = staticmethod(reference.ref_order_plan)
+    order_step = staticmethod(reference.ref_order_step)
+    gather_ordered = staticmethod(reference.ref_gather_ordered)
+    order_step_temp_bytes = staticmethod(reference.ref_order_step_temp_bytes)
 
     @staticmethod
     def gather_plan(src, dst, src_rows, dst_rows, mask, req_state=None,
@@ -280,7 +283,7 @@ class WorkerRig:
                  pool: HostPool | None = None, tables=None, ops=ReferenceOps,
                  page_copy=reference.ref_copy_descriptors, rank: int = 0,
                  device: str = "cpu", max_num_seqs: int = 8,
-                 max_num_tokens: int = 512, order_misses: bool = False) -> None:
+                 max_num_tokens: int = 512, order_misses: bool | str | None = None) -> None:
         if config is None:
             config = tiny_config(freq=freq, index_topk=topk,
                                  staging_blocks=staging_blocks)

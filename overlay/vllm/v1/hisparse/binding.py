@@ -222,7 +222,7 @@ def make_runtime(
     max_num_seqs: int,
     max_num_tokens: int,
     runner_views: Mapping[str, torch.Tensor] | None = None,
-    order_misses: bool = False,
+    order_misses: bool | str | None = None,
 ) -> HiSparseRuntime:
     """The runtime (C7) over a slab and a host pool (also used by tests)."""
     layout = config.layout

@@ -482,21 +482,39 @@ def check_host_ram(
 # ------------------------------------------------------------- entry point
 
 
-def resolve_order_misses(value: bool | None, index_topk: int) -> bool:
-    """``hisparse_config.order_misses``: K6 sorts a plan row of at most
-    ORDER_PLAN_MAX_CELLS cells. None is off (docs/kernels.md P9): sorting
-    per plan row reached 0.74x of the ceiling where P9 asks 0.8x, and its
-    launch per leader layer, paid inside CUDA graphs at every step, is not
-    yet measured by bench-tax."""
+def resolve_order_misses(value: bool | str | None, index_topk: int) -> str | None:
+    """``hisparse_config.order_misses`` as the runtime's mode: None (off),
+    "row" (K6, also true) or "step" (K7). Unset is off (docs/kernels.md
+    P9): K6's per-row order reached 0.74x of the sequential ceiling where
+    P9 asks 0.8x, K7's whole-step order is not yet measured on the GPU, and
+    either adds launches per leader layer inside CUDA graphs that bench-tax
+    has not measured. K6 sorts a plan row of at most ORDER_PLAN_MAX_CELLS
+    cells; K7 has no top-k limit."""
     from vllm.v1.hisparse.kernels import ORDER_PLAN_MAX_CELLS
 
-    if value and index_topk > ORDER_PLAN_MAX_CELLS:
+    mode = order_mode(value)
+    if mode == "row" and index_topk > ORDER_PLAN_MAX_CELLS:
         raise HiSparseConfigError(
-            f"hisparse_config.order_misses=true sorts plan rows of at most "
+            f"hisparse_config.order_misses={value!r} sorts plan rows of at most "
             f"{ORDER_PLAN_MAX_CELLS} entries; this model's index_topk is "
-            f"{index_topk}. Leave it unset or false."
+            f'{index_topk}. Use "step", or leave it unset or false.'
         )
-    return bool(value)
+    return mode
+
+
+def order_mode(value: bool | str | None) -> str | None:
+    """None/false -> None, true -> "row" (what true meant before "step"
+    existed), "row"/"step" as they are; anything else is refused."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "row"
+    if value in ("row", "step"):
+        return value
+    raise HiSparseConfigError(
+        f"hisparse_config.order_misses={value!r} must be true, false, "
+        '"row" or "step" (or left out)'
+    )
 
 
 def resolve_host_pool_gib(vllm_config: "VllmConfig") -> float:

@@ -35,10 +35,13 @@ import torch
 
 LIBRARY_ENV = "HISPARSE_OPS_LIBRARY"
 REQUIRED_OPS = ("resolve_residency", "gather_compact", "order_plan",
+                "order_step", "gather_ordered", "order_step_temp_bytes",
                 "gather_plan", "invalidate_written_slots", "copy_descriptors",
                 "mirror_descriptors")
 # K6 sorts a plan row in one CTA's shared memory (docs/kernels.md P9).
 ORDER_PLAN_MAX_CELLS = 2048
+# K7 numbers the step's plan cells with int32 ids.
+ORDER_STEP_MAX_CELLS = 2**31 - 1
 MISSING_MESSAGE = ("HiSparse kernels are missing ({op}); install the "
                    "hisparse_ops extension built for this torch.")
 # Slot ids are int16 (lru), so a hot region holds at most 32768 rows.
@@ -373,6 +376,48 @@ def validate_order_plan(plan_src, plan_dst, plan_count, *,
                          f"cells (plan_src.shape[1] = {top_k})")
 
 
+def validate_order_step(plan_src, plan_count, host_rows: int, keys, cells,
+                        sorted_keys, sorted_cells, total, temp, *,
+                        device: torch.device) -> int:
+    """K7's plan and flat buffers; returns the plan's cell count."""
+    _check(plan_src, "plan_src", torch.int32, 2, device)
+    rows, top_k = plan_src.shape
+    _check(plan_count, "plan_count", torch.int32, 1, device)
+    _check_dim(plan_count, "plan_count", 0, rows, "plan_src.shape[0]")
+    check_order_step_size(rows * top_k, host_rows)
+    for t, name in ((keys, "keys"), (cells, "cells"),
+                    (sorted_keys, "sorted_keys"),
+                    (sorted_cells, "sorted_cells")):
+        _check(t, name, torch.int32, 1, device)
+        _check_dim(t, name, 0, rows * top_k, "plan_src.numel()")
+    _check(total, "total", torch.int32, 1, device)
+    _check_dim(total, "total", 0, 1, "1")
+    _check(temp, "temp", torch.uint8, 1, device)
+    return rows * top_k
+
+
+def check_order_step_size(cells: int, host_rows: int) -> None:
+    if not 0 <= cells <= ORDER_STEP_MAX_CELLS:
+        raise ValueError(f"order_step numbers plan cells with int32 ids: "
+                         f"{cells} cells is too many")
+    if not 0 <= host_rows < 2**31:
+        raise ValueError(f"host_rows={host_rows} must be in [0, 2^31) "
+                         "(INV-14)")
+
+
+def validate_gather_ordered(src, dst, plan_src, plan_dst, order, total, *,
+                            device: torch.device) -> None:
+    validate_byte_views(src, dst, device=device)
+    _check(plan_src, "plan_src", torch.int32, 2, device)
+    _check(plan_dst, "plan_dst", torch.int32, 2, device)
+    _check_dim(plan_dst, "plan_dst", 0, plan_src.shape[0], "plan_src.shape[0]")
+    _check_dim(plan_dst, "plan_dst", 1, plan_src.shape[1], "plan_src.shape[1]")
+    _check(order, "order", torch.int32, 1, device)
+    _check_dim(order, "order", 0, plan_src.numel(), "plan_src.numel()")
+    _check(total, "total", torch.int32, 1, device)
+    _check_dim(total, "total", 0, 1, "1")
+
+
 def validate_gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
                          out_rows, attn_block_stride: int, *,
                          device: torch.device) -> None:
@@ -466,6 +511,52 @@ def order_plan(plan_src: torch.Tensor, plan_dst: torch.Tensor,
     device = _require_cuda(plan_src, "plan_src")
     validate_order_plan(plan_src, plan_dst, plan_count, device=device)
     _ops().order_plan(plan_src, plan_dst, plan_count)
+
+
+def order_step_temp_bytes(cells: int, host_rows: int,
+                          device: torch.device) -> int:
+    """Bytes of CUB temporary storage K7 needs to sort ``cells`` plan cells
+    of a pool of ``host_rows`` rows on ``device``: asked once, when the
+    workspace is allocated, never during a step (INV-32). A launch for
+    fewer cells needs no more."""
+    check_order_step_size(cells, host_rows)
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None \
+        else device.index
+    return int(_ops().order_step_temp_bytes(cells, host_rows, index))
+
+
+def order_step(plan_src: torch.Tensor, plan_count: torch.Tensor,
+               host_rows: int, keys: torch.Tensor, cells: torch.Tensor,
+               sorted_keys: torch.Tensor, sorted_cells: torch.Tensor,
+               total: torch.Tensor, temp: torch.Tensor) -> None:
+    """K7: the step's live plan cells as one list in ascending host-row
+    order (docs/kernels.md P9). Writes ``keys``/``cells`` (cell i's sort
+    key and id, padding key and -1 past its row's count), their stable
+    radix sort ``sorted_keys``/``sorted_cells``, and ``total`` (the live
+    cells); ``temp`` holds order_step_temp_bytes(plan_src.numel(),
+    host_rows) bytes. The plan itself is not changed
+    (reference.ref_order_step states the semantics)."""
+    device = _require_cuda(plan_src, "plan_src")
+    validate_order_step(plan_src, plan_count, host_rows, keys, cells,
+                        sorted_keys, sorted_cells, total, temp, device=device)
+    _ops().order_step(plan_src, plan_count, host_rows, keys, cells,
+                      sorted_keys, sorted_cells, total, temp)
+
+
+def gather_ordered(src: torch.Tensor, dst: torch.Tensor,
+                   plan_src: torch.Tensor, plan_dst: torch.Tensor,
+                   order: torch.Tensor, total: torch.Tensor) -> None:
+    """K7's gather: K2's copies, taken in order_step's list order
+    (``order`` = its sorted_cells, ``total`` its live count). The same
+    (src, dst) pairs as gather_compact on the same plan (INV-36);
+    followers replay the leader's list with their own views."""
+    device = _require_cuda(dst, "dst")
+    src = as_byte_rows(src, "src", 2)
+    dst = as_byte_rows(dst, "dst", 3)
+    validate_gather_ordered(src, dst, plan_src, plan_dst, order, total,
+                            device=device)
+    _ops().gather_ordered(src, dst, plan_src, plan_dst, order, total)
 
 
 def gather_compact(src: torch.Tensor, dst: torch.Tensor,

@@ -386,6 +386,66 @@ def ref_order_plan(plan_src: torch.Tensor, plan_dst: torch.Tensor,
             plan_dst[i, :n] = plan_dst[i, :n][order]
 
 
+def step_key_bits(host_rows: int) -> int:
+    """K7 sorts on bits [0, bit_length(max(host_rows, 1))): every host row
+    is below 2^bits - 1, the padding key."""
+    return max(int(host_rows), 1).bit_length()
+
+
+def ref_order_step_temp_bytes(cells: int, host_rows: int,
+                              device=None) -> int:
+    """The reference sorts with torch: no CUB temporary storage."""
+    return 0
+
+
+def ref_order_step(plan_src: torch.Tensor, plan_count: torch.Tensor,
+                   host_rows: int, keys: torch.Tensor, cells: torch.Tensor,
+                   sorted_keys: torch.Tensor, sorted_cells: torch.Tensor,
+                   total: torch.Tensor, temp: torch.Tensor | None = None
+                   ) -> None:
+    """K7 order_step. Cell i = row*K + j of the plan is live when j <
+    clamp(plan_count[row], 0, K). With pad = 2^step_key_bits(host_rows) - 1:
+    keys[i] = min(src, pad - 1) for a live cell (a negative source counts as
+    past every row) and pad otherwise; cells[i] = i if live else -1;
+    sorted_keys/sorted_cells are the stable sort of (keys, cells) by key, so
+    the live cells come first in ascending source order, ties in cell order;
+    total[0] = the number of live cells. No plan cell changes. Nothing is
+    written for an empty plan."""
+    rows, K = plan_src.shape
+    n = rows * K
+    if n == 0:
+        return
+    pad = (1 << step_key_bits(host_rows)) - 1
+    counts = plan_count.to(torch.int64).clamp(0, K)
+    live = (torch.arange(K)[None, :] < counts[:, None]).reshape(-1)
+    src = plan_src.reshape(-1).to(torch.int64)
+    capped = torch.where((src >= 0) & (src < pad), src,
+                         torch.full_like(src, pad - 1))
+    k = torch.where(live, capped, torch.full_like(src, pad))
+    ids = torch.where(live, torch.arange(n), torch.full_like(src, -1))
+    order = torch.sort(k, stable=True).indices
+    keys.copy_(k)
+    cells.copy_(ids)
+    sorted_keys.copy_(k[order])
+    sorted_cells.copy_(ids[order])
+    total[0] = int(counts.sum())
+
+
+def ref_gather_ordered(src: torch.Tensor, dst: torch.Tensor,
+                       plan_src: torch.Tensor, plan_dst: torch.Tensor,
+                       order: torch.Tensor, total: torch.Tensor) -> None:
+    """K7's gather: for the first clamp(total[0], 0, rows*K) entries c of
+    ``order`` (order_step's sorted_cells) with 0 <= c < rows*K, K2's copy of
+    plan cell c (src = plan_src.flat[c], dst = plan_dst.flat[c], spec 5.0's
+    skip and zero-fill rules); other entries are skipped."""
+    n = plan_src.numel()
+    live = min(max(int(total[0]), 0), n)
+    c = order[:live].to(torch.int64)
+    c = c[(c >= 0) & (c < n)]
+    _move_rows(src, dst, plan_src.reshape(-1)[c].to(torch.int64),
+               plan_dst.reshape(-1)[c].to(torch.int64))
+
+
 def ref_gather_plan(src: torch.Tensor, dst: torch.Tensor,
                     src_rows: torch.Tensor, dst_rows: torch.Tensor,
                     mask: torch.Tensor, req_state: torch.Tensor | None,

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from vllm.logger import init_logger
+from vllm.v1.hisparse.config_checks import order_mode
 from vllm.v1.hisparse.staging import (
     StagedRequest,
     context_pages,
@@ -94,12 +95,15 @@ class BatchState(Protocol):
 
 
 class KernelOps(Protocol):
-    """The seven HiSparse ops (``vllm.v1.hisparse.kernels`` on CUDA; the CPU
+    """The HiSparse ops (``vllm.v1.hisparse.kernels`` on CUDA; the CPU
     references of ``vllm.v1.hisparse.reference`` in CPU tests)."""
 
     resolve_residency: Callable[..., None]
     gather_compact: Callable[..., None]
     order_plan: Callable[..., None]
+    order_step: Callable[..., None]
+    gather_ordered: Callable[..., None]
+    order_step_temp_bytes: Callable[..., int]
     gather_plan: Callable[..., None]
     invalidate_written_slots: Callable[..., None]
     copy_descriptors: Callable[..., None]
@@ -169,6 +173,8 @@ class Workspace:
     owner: "IndexGroup | None" = None
     """The group whose plan the workspace holds (Python state: a follower
     reached without its leader's plan is a bug, spec 2.10 step 4)."""
+    step_order: "StepOrder | None" = None
+    """K7's buffers when ``order_misses`` is "step", else None."""
 
     @classmethod
     def allocate(cls, rows: int, top_k: int, device: torch.device) -> "Workspace":
@@ -182,6 +188,41 @@ class Workspace:
             plan_dst=make(rows, top_k),
             plan_count=torch.zeros(rows, dtype=torch.int32, device=device),
         )
+
+
+@dataclass
+class StepOrder:
+    """K7's buffers (docs/kernels.md P9): the step's plan cells as one list
+    sorted by host row. Sized once for the workspace's R_ws x K cells, the
+    CUB scratch asked for then, so a step allocates nothing (INV-32)."""
+
+    keys: torch.Tensor
+    cells: torch.Tensor
+    sorted_keys: torch.Tensor
+    sorted_cells: torch.Tensor
+    """int32 [R_ws * K]; a step of nd rows uses the first nd * K."""
+    total: torch.Tensor
+    """int32 [1]: the step's live cells (written by K7 on the device)."""
+    temp: torch.Tensor
+    """uint8: the radix sort's temporary storage."""
+
+    @classmethod
+    def allocate(cls, cells: int, temp_bytes: int, device: torch.device) -> "StepOrder":
+        def make() -> torch.Tensor:
+            return torch.full((cells,), -1, dtype=torch.int32, device=device)
+
+        return cls(
+            keys=make(),
+            cells=make(),
+            sorted_keys=make(),
+            sorted_cells=make(),
+            total=torch.zeros(1, dtype=torch.int32, device=device),
+            temp=torch.empty(max(temp_bytes, 1), dtype=torch.uint8, device=device),
+        )
+
+    def views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """keys, cells, sorted_keys, sorted_cells of an n-cell step."""
+        return self.keys[:n], self.cells[:n], self.sorted_keys[:n], self.sorted_cells[:n]
 
 
 class StepInputs:
@@ -329,13 +370,14 @@ class HiSparseRuntime:
         tables: BatchState,
         ops: KernelOps,
         device: torch.device,
-        order_misses: bool = False,
+        order_misses: bool | str | None = None,
     ) -> None:
         self.geometry = geometry
-        self.order_misses = order_misses
-        """Sort each leader's miss plan by host row before the gathers (K6,
-        docs/kernels.md P9): random reads of a large host pool run far below
-        the link."""
+        self.order_misses = order_mode(order_misses)
+        """Gather each leader's misses in host-row order (docs/kernels.md
+        P9: random reads of a large host pool run far below the link): None
+        (K1's order), "row" (K6 sorts each plan row; True means this) or
+        "step" (K7 sorts the whole step's cells as one list)."""
         self.layers: dict[str, LayerViews] = {lv.name: lv for lv in layers}
         self.groups = tuple(groups)
         self.resident_group_ids = tuple(resident_group_ids)
@@ -357,6 +399,10 @@ class HiSparseRuntime:
         self.row_req = self.step_inputs.row_req
         self.req_state = self.step_inputs.req_state
         self.workspace = Workspace.allocate(g.workspace_rows, g.index_topk, device)
+        if self.order_misses == "step":
+            cells = g.workspace_rows * g.index_topk
+            temp = ops.order_step_temp_bytes(cells, g.host_rows, device)
+            self.workspace.step_order = StepOrder.allocate(cells, temp, device)
         self._lru_init = torch.arange(
             g.device_buffer_size, dtype=torch.int16, device=device
         )
@@ -672,18 +718,53 @@ class HiSparseRuntime:
                 group.stats,
                 num_gpu_blocks=g.num_gpu_blocks,
             )
-            if self.order_misses:
-                self.ops.order_plan(ws.plan_src[:nd], ws.plan_dst[:nd], ws.plan_count[:nd])
+            self._order_misses(nd)
             ws.owner = group
         elif ws.owner is not group:
             raise RuntimeError(
                 f"HiSparse: follower {layer_name} reached without its leader "
                 f"{group.leader}'s plan (spec 2.10)"
             )
+        self._gather_misses(lv, nd)
+        return ws.out_rows[:nd], ws.valid_counts[:nd]
+
+    def _order_misses(self, nd: int) -> None:
+        """The leader's miss order (docs/kernels.md P9): K6 sorts the plan's
+        rows in place; K7 leaves the plan and writes the step's sorted cell
+        list. Neither changes a (src, dst) pair (INV-36)."""
+        ws = self.workspace
+        if self.order_misses == "row":
+            self.ops.order_plan(ws.plan_src[:nd], ws.plan_dst[:nd], ws.plan_count[:nd])
+        elif self.order_misses == "step":
+            order = ws.step_order
+            self.ops.order_step(
+                ws.plan_src[:nd],
+                ws.plan_count[:nd],
+                self.geometry.host_rows,
+                *order.views(nd * self.geometry.index_topk),
+                order.total,
+                order.temp,
+            )
+
+    def _gather_misses(self, lv: LayerViews, nd: int) -> None:
+        """K2 over the plan, or K7's gather over the leader's sorted list;
+        a follower replays the same plan or list with its own views."""
+        ws = self.workspace
+        if self.order_misses == "step":
+            order = ws.step_order
+            _, _, _, sorted_cells = order.views(nd * self.geometry.index_topk)
+            self.ops.gather_ordered(
+                lv.host,
+                lv.resident,
+                ws.plan_src[:nd],
+                ws.plan_dst[:nd],
+                sorted_cells,
+                order.total,
+            )
+            return
         self.ops.gather_compact(
             lv.host, lv.resident, ws.plan_src[:nd], ws.plan_dst[:nd], ws.plan_count[:nd]
         )
-        return ws.out_rows[:nd], ws.valid_counts[:nd]
 
     # -------------------------------------------------- hot invalidation
     # Trigger 1 (a fresh slot for every region, apply_hot_regions) and

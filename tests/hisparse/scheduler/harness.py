@@ -544,6 +544,7 @@ class SimWorker:
         # Worker-side block tables, maintained only from what the scheduler
         # sends (new/resumed full tables, appended ids, residency updates).
         self.tables: dict[str, list[list[int]]] = {}
+        self.finished_tables: dict[str, list[list[int]]] = {}
         self.tags: dict[str, RowTags] = {}
         self.step_no = 0
         # Per rank: transfer id -> (completion step, host block, resident
@@ -659,6 +660,12 @@ class SimWorker:
 
     def _sync_tables(self, rx: _Received) -> None:
         so, meta = rx.so, rx.meta
+        # A finished request's tables stay readable for this step: its final
+        # cache_blocks (R31) plans spills of its durable tail, sent with the
+        # first step that reports it finished.
+        self.finished_tables = {
+            r: self.tables[r] for r in so.finished_req_ids if r in self.tables
+        }
         for req_id in list(so.finished_req_ids) + list(so.preempted_req_ids or ()):
             self.tables.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -1060,11 +1067,14 @@ class SimWorker:
 
     def _owners_of(self, host_blocks: list[int], batch) -> dict[int, tuple[str, int]]:
         """(request, page) of each host block, among this step's batch: a
-        spill is planned for a page of a request the step schedules."""
+        spill is planned for a page of a request the step schedules, or of
+        one this step reports finished (R31's durable tail)."""
         want = set(host_blocks)
         found: dict[int, tuple[str, int]] = {}
-        for req_id in batch:
-            for page, hb in enumerate(self.tables[req_id][self.src_gid]):
+        tables = [(r, self.tables[r]) for r in batch]
+        tables += list(self.finished_tables.items())
+        for req_id, table in tables:
+            for page, hb in enumerate(table[self.src_gid]):
                 if hb in want:
                     found.setdefault(hb, (req_id, page))
         return found

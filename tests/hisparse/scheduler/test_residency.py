@@ -449,3 +449,46 @@ def test_r30_under_async_scheduling_with_late_and_lost_acks(build):
         driver.step()
     check_drained(s)
     assert w.reads_checked > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_r31_a_finished_request_caches_the_page_its_last_step_sealed(build, async_scheduling):
+    """R31 (INV-18's publication, T1's replayability): a request whose KV
+    ends on a page boundary at its last step publishes that page too. vLLM's
+    async scheduler caches it after the last output (in every group, and the
+    OffloadingConnector stores it); HiSparse's free() used to cancel that
+    page's spill as if a preempted pass had planned it, so the host pool
+    lacked a page the other caches held, the follow-up computed it again
+    (soak runs 28 and 32: u1-3, u2-49) and later hits read the two
+    computations mixed across groups. The spill is carried by a step that
+    no longer schedules the request; the simulated worker checks the page
+    holds the final KV."""
+    from tests.hisparse.scheduler.harness import AsyncDriver
+
+    s, w = build(async_scheduling=async_scheduling)
+    driver = AsyncDriver(s, w) if async_scheduling else None
+
+    def run():
+        so = driver.step() if driver else step(s, w)
+        check_invariants(s)
+        return so
+
+    def busy():
+        return driver.busy() if driver else s.has_requests()
+
+    parent = make_request("parent", prompt(193), 64)  # KV of 256 tokens: 4 pages
+    s.add_request(parent)
+    while busy():
+        run()
+    assert len(parent.all_token_ids) == 257
+    assert published_pages(s, parent) == 4
+    follow = make_request("follow", list(parent.all_token_ids) + prompt(100, 7), 4)
+    s.add_request(follow)
+    while "follow" not in (so := run()).num_scheduled_tokens:
+        pass
+    hit = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}["follow"]
+    assert hit == 256  # every page, in every group (the indexer's too)
+    while busy():
+        run()
+    check_drained(s)
+    assert w.spills_verified > 0

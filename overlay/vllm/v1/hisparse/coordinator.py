@@ -71,6 +71,13 @@ logger = init_logger(__name__)
 _CLEAN = sys.maxsize  # RequestResidency.dirty_from when the worker's table is current
 
 
+def durable_tokens(request: Request) -> int:
+    """Tokens whose KV a finished request's completed forwards wrote: all but
+    the last sampled one (never computed), and no more than it computed (an
+    abort mid-prefill). R31 keeps the spills of their full pages."""
+    return max(0, min(request.num_computed_tokens, request.num_tokens - 1))
+
+
 class ImportLanding(enum.Enum):
     """Where a P/D import's pages land (spec 4.13 step 1), or RECOMPUTE: the
     import was given up and the request computes its prompt itself."""
@@ -1117,8 +1124,14 @@ class HiSparseCoordinator:
         if st is None:
             return
         self._dirty.pop(st, None)
+        finished = st.request is not None and st.request.is_finished()
         if st.pending:
-            self._cancel_unsent_spills(st)
+            # R31: a finished request keeps its unsent spills of written pages.
+            # vLLM's async scheduler caches a request's new tokens after each
+            # output (AsyncScheduler._update_request_with_output), so a page
+            # its last step sealed is planned there, after the last pass.
+            keep = durable_tokens(st.request) // self.block_size if finished else 0
+            self._cancel_unsent_spills(st, keep_below=keep)
         tables = self._tables(request_id) if self.residents else []
         if tables and tables[0]:
             for p in st.unpinned:
@@ -1133,20 +1146,20 @@ class HiSparseCoordinator:
                 self.gpu_pool.unpin_blocks(anonymous, self._on_block_reused)
             st.unpinned.clear()
             st.pinned_clean.clear()
-        finished = st.request is not None and st.request.is_finished()
         if finished and st.pending and st.publication is not None:
             self._detach(st)
         st.publication = None
 
-    def _cancel_unsent_spills(self, st: RequestResidency) -> None:
+    def _cancel_unsent_spills(self, st: RequestResidency, keep_below: int = 0) -> None:
         """Drop the spills no worker has seen (R15). They were planned in
         this scheduling pass for pages its forward would have sealed; the
         request left the pass (preempted while scheduling a later request),
-        so that forward never writes them (F17). Their leases go back now."""
+        so that forward never writes them (F17). Their leases go back now.
+        Pages below ``keep_below`` were written already (R31) and stay."""
         cancelled: set[int] = set()
         for page, tid in list(st.pending.items()):
             spill = self.pending_spills[tid]
-            if spill.planned_step:
+            if spill.planned_step or page < keep_below:
                 continue  # sent: the workers will complete it (leases until then)
             del self.pending_spills[tid]
             del st.pending[page]

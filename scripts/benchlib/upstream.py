@@ -62,6 +62,16 @@ def stage_upstream(bundle: Path, stage: Path) -> dict:
     return out
 
 
+def serving_deps(stage: Path) -> Path | None:
+    """Our bundle's third-party serving packages (STAGE/base/site: uvicorn,
+    prometheus-fastapi-instrumentator, ...; no vLLM), after the peer's site
+    on its path: the peer's bundle was built for offline LLM runs and lacks
+    uvicorn, which ``vllm serve`` imports (bench-agentic's upstream arm
+    failed on it, results/agentic run3). What the peer's site has wins."""
+    path = Path(stage) / "base" / "site"
+    return path if path.is_dir() else None
+
+
 OUR_KEYS = ("PYTHONPATH", "HISPARSE_GPU_PYTHON", "VLLM_CACHE_ROOT", "DG_JIT_CACHE_DIR",
             "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
@@ -74,6 +84,9 @@ def env(stage: Path, base: dict | None = None, *, variant: str | None = None,
         base.pop(k, None)
     out = common.child_env(base, variant=variant, in_process=in_process)
     common.prepend_path(out, "PYTHONPATH", site(stage))
+    serving = serving_deps(stage)
+    if serving is not None:
+        out["PYTHONPATH"] = f"{out['PYTHONPATH']}{os.pathsep}{serving}"
     cache = Path(stage) / "cache030"
     out.update({"VLLM_USE_V2_MODEL_RUNNER": "1",
                 "VLLM_CACHE_ROOT": str(cache / "vllm"),

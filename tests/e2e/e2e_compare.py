@@ -156,6 +156,10 @@ def compare_scenario(
     schedule_equal = [list(s) for s in ref_trace] == [list(s) for s in got_trace]
     ok, note = verdict(identical, bitwise, schedule_equal, replay)
     worst = max((d.max_abs_logprob_diff for d in diffs.values()), default=0.0)
+    divergence = trace_divergence(ref_trace, got_trace)
+    before = {k: d.first_divergence for k, d in diffs.items()
+              if d.first_divergence is not None
+              and d.first_divergence < sampled_before(got_trace, k, divergence)}
     return {
         "identical_tokens": identical,
         "bitwise_logprobs": bitwise,
@@ -166,9 +170,28 @@ def compare_scenario(
         "requests": len(diffs),
         "first_divergence": {k: d.first_divergence for k, d in diffs.items()
                              if d.first_divergence is not None},
-        "schedule_divergence": trace_divergence(ref_trace, got_trace),
+        "schedule_divergence": divergence,
+        "diverged_under_equal_batches": before,
         "steps": [len(ref_trace), len(got_trace)],
     }
+
+
+MAX_DECODE_TOKENS = 4
+"""Tokens a decode step schedules at most (1 + MTP's 3 drafts)."""
+
+
+def sampled_before(trace: Sequence, key: str, divergence: dict | None) -> int:
+    """A lower bound on the tokens request ``key`` sampled in the steps
+    before the schedules split (keyed traces only; 0 when unkeyed). Every
+    step after its last prefill-sized step samples at least one token
+    (the first of them may end the prompt); one is taken off in case it
+    was a prefill remainder that sampled none."""
+    end = len(trace) if divergence is None else divergence["step"]
+    steps = [n for step in trace[:end] for e in step
+             if isinstance(e, (list, tuple)) and len(e) == 3 and e[0] == key
+             for n in [e[1]] if n]
+    last_big = max((i for i, n in enumerate(steps) if n > MAX_DECODE_TOKENS), default=-1)
+    return max(0, len(steps) - last_big - 2)
 
 
 # ------------------------------------------------ sensitivity control
@@ -221,13 +244,18 @@ def choose_variant(figures: Sequence[dict]) -> tuple[str, bool]:
 def negative_control(comparison: dict | None, fault: Mapping[str, Any],
                      clean_passes: int) -> dict:
     """The fault scenario's comparison must FAIL under equal batches (a
-    divergence the replay or an equal schedule shows, not a schedule the
-    replay could not follow), the fault must have fired, and the same
+    divergence the replay or an equal schedule shows, or tokens that
+    differed before a replay's schedule split, not a schedule the replay
+    could not follow), the fault must have fired, and the same
     engine must have passed a clean comparison under pressure in this run
     (``clean_passes``): else a detection would prove nothing (run 8)."""
     fired = int(fault.get("fired", 0))
+    # Under MTP the fault's tokens change what the drafter gets accepted,
+    # so the schedules split later; tokens that differed before the split
+    # differed under equal batches all the same.
     detected = (comparison is not None and not comparison["pass"]
-                and comparison["schedule_equal"])
+                and (comparison["schedule_equal"]
+                     or bool(comparison.get("diverged_under_equal_batches"))))
     return {"fired": fired, "detected": detected,
             "detected_by": comparison["note"] if comparison else "no comparison ran",
             "clean_passes": clean_passes, "target": fault.get("last"),

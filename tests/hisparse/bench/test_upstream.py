@@ -73,3 +73,15 @@ def test_parse_bytes_and_lists():
             common.int_list(bad)
     with pytest.raises(ValueError, match="unknown arm"):
         common.name_list("plain,nope", ["plain"], "arm")
+
+
+def test_env_falls_back_to_our_serving_packages_after_its_site(tmp_path):
+    """P8: the peer's server imports uvicorn, which its offline bundle lacks
+    (results/agentic run3); our bundle's third-party site (no vLLM) comes
+    after the peer's site, never before it, and only when staged."""
+    env = upstream.env(tmp_path, {}, in_process=False)
+    assert str(tmp_path / "base" / "site") not in env["PYTHONPATH"].split(os.pathsep)
+    (tmp_path / "base" / "site").mkdir(parents=True)
+    paths = upstream.env(tmp_path, {}, in_process=False)["PYTHONPATH"].split(os.pathsep)
+    assert paths[0] == str(tmp_path / "site")
+    assert paths[-1] == str(tmp_path / "base" / "site")

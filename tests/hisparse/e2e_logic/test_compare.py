@@ -201,3 +201,26 @@ def test_scheduler_waits_reads_the_counter_when_it_exists():
 
     assert cmp.scheduler_waits(Before()) == 0
     assert cmp.scheduler_waits(After()) == 4
+
+
+def test_a_fault_seen_before_an_mtp_schedule_split_is_detected():
+    """T1's negative control under MTP (run 34, mtp_e30): the fault changed
+    token 3, so the drafter's acceptances and then the schedule changed near
+    the end and the replay could not follow; the tokens differed while both
+    arms still ran the same batches, which is a detection. A divergence
+    only after the split is not one."""
+    n = 40
+    ref = {"0/a": record(list(range(n)), [-1.0] * n)}
+    early = {"0/a": record([0, 1, 2, 99] + list(range(4, n)), [-1.0] * n)}
+    late = {"0/a": record(list(range(38)) + [99, 99], [-1.0] * n)}
+    prefill = [[["0/a", 2048, 0]], [["0/a", 1904, -1]]]
+    decode = [[["0/a", 2, -1]] for _ in range(30)]
+    ref_trace = prefill + decode + [[["0/a", 1, -1]]] * 3
+    got_trace = prefill + decode + [[["0/a", 2, -1]]] * 2
+    seen = cmp.compare_scenario(ref, early, ref_trace, got_trace, replay=True)
+    assert seen["note"] == cmp.REPLAY_DIVERGED and seen["diverged_under_equal_batches"] == {"0/a": 3}
+    assert cmp.negative_control(seen, {"fired": 1}, 1)["pass"]
+    after = cmp.compare_scenario(ref, late, ref_trace, got_trace, replay=True)
+    assert after["diverged_under_equal_batches"] == {}  # 38 > the 31 decode steps' bound
+    assert not cmp.negative_control(after, {"fired": 1}, 1)["detected"]
+    assert cmp.sampled_before(ref_trace, "0/a", None) == 32

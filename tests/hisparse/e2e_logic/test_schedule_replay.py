@@ -312,3 +312,51 @@ def test_admissions_follow_the_recorded_order_not_arrival(arms, async_scheduling
     replayed = run(r, rd, tap, calls, "rep", plan=plan)
     assert tap.diverged is None
     assert replayed == plan
+
+
+def test_an_admission_after_an_idle_gap_waits_for_the_last_output(arms):
+    """T1's replay under async scheduling (soak run 35's twin, `u2-47`): the
+    server admitted a follow-up only after its parent's last output (the
+    client sent it then), and that output cached the parent's last page
+    (the pin's async scheduler caches after each output; R31 publishes it).
+    The recorded trace has no step in between (the server scheduled nothing
+    while it waited). A replay that already holds the follow-up would
+    schedule it right after the parent's last step, before that step's
+    output is processed, and hit one page short; the replay instead waits a
+    call for the in-flight output when a wanted admission's hit is short of
+    its recorded length."""
+    from tests.hisparse.scheduler.harness import sampled_token
+
+    (s, d), baseline = arms(True)
+    tap = replay.ScheduleTap(s)
+    tap.start()
+    parent_prompt = [random.Random(5).randint(2, 900) for _ in range(193)]
+    follow_prompt = (parent_prompt + [sampled_token(p) for p in range(193, 257)]
+                     + [7] * 100)
+    parent = make_request("p-on", parent_prompt, 64)  # KV of 256 tokens: 4 full pages
+    tap.name(parent.request_id, "p")
+    s.add_request(parent)
+    while d.busy():
+        d.step()
+    follow = make_request("f-on", follow_prompt, 4)
+    tap.name(follow.request_id, "f")
+    s.add_request(follow)
+    while d.busy():
+        d.step()
+    recorded = list(tap.steps)
+    assert [c for step in recorded for k, _, c in step if k == "f"][0] == 256
+
+    b, bd = baseline()
+    rtap = replay.ScheduleTap(b)
+    rtap.start(recorded)
+    for key, prompt, n in (("p", parent_prompt, 64), ("f", follow_prompt, 4)):
+        r = make_request(f"{key}-rep", prompt, n)  # both held from the start
+        rtap.name(r.request_id, key)
+        b.add_request(r)
+    steps = 0
+    while bd.busy():
+        bd.step()
+        steps += 1
+        assert steps < 5000
+    assert rtap.finish() is None
+    assert rtap.steps == recorded

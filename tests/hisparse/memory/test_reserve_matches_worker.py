@@ -34,15 +34,16 @@ class Bound(WorkerRig):
     and the prefill staging cache."""
 
     def __init__(self, *, freq=1, topk=64, hot=None, seqs=8, tokens=512,
-                 max_model_len=40 * B, layers=4, mtp=0, q=1):
+                 max_model_len=40 * B, layers=4, mtp=0, q=1, order=None):
         staging_blocks = staging_block_count(max_model_len, B, tokens)
         config = tiny_config(num_layers=layers, freq=freq, index_topk=topk,
                              device_buffer_size=hot, num_gpu_blocks=NUM_GPU_BLOCKS,
-                             staging_blocks=staging_blocks, num_mtp=mtp, q=q)
+                             staging_blocks=staging_blocks, num_mtp=mtp, q=q,
+                             order_misses=order)
         batch = Batch(len(config.layout.kv_cache_groups), max_reqs=seqs,
                       max_blocks=cdiv(max_model_len, B), max_tokens=tokens)
         super().__init__(config=config, tables=batch, max_num_seqs=seqs,
-                         max_num_tokens=tokens)
+                         max_num_tokens=tokens, order_misses=order)
         self.staging = StagingCache(max_model_len, B, W, torch.device("cpu"))
         self.limits = BatchLimits(seqs, tokens)
         self.max_model_len = max_model_len
@@ -195,3 +196,26 @@ def test_describe_names_every_item(bind):
         assert item in line
     assert reserve.total == (reserve.staging_bytes + reserve.worker_state
                              + reserve.block_tables)
+
+
+def test_reserve_covers_k7s_buffers_when_the_step_order_is_on(bind):
+    """P9 with K7 (order_misses="step", L17): the reserve counts K7's four
+    cell lists and its total exactly and CUB's scratch as an estimate (the
+    CPU reference asks for none: the walk then holds less than the reserve
+    by at most that estimate); with the order off it counts none."""
+    from vllm.v1.hisparse.memory import step_order_bytes, workspace_bytes, workspace_rows
+
+    b = bind(order="step")
+    rows = workspace_rows(b.limits, b.layout.max_decode_query_len)
+    cells = rows * b.layout.index_topk
+    so = b.rt.workspace.step_order
+    assert nbytes(so.keys, so.cells, so.sorted_keys, so.sorted_cells, so.total) == (
+        4 * cells * 4 + 4)
+    reserve = b.reserve()
+    assert reserve.workspace == (workspace_bytes(rows, b.layout.index_topk)
+                                 + step_order_bytes(rows, b.layout.index_topk))
+    held = held_tensor_bytes([b.rt, b.worker, b.staging], "cpu",
+                             exclude=[b.slab, b.pool.tensor])
+    scratch = step_order_bytes(rows, b.layout.index_topk) - (4 * cells * 4 + 4)
+    assert held <= reserve.worker_state <= held + scratch
+    assert bind().reserve().workspace == workspace_bytes(rows, b.layout.index_topk)

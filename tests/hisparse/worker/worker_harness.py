@@ -95,7 +95,8 @@ def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
                 registration_chunk_bytes: int | None = None,
                 staging_blocks: int = 0,
                 shared: bool = False, num_mtp: int = 0, q: int = 1,
-                pattern: str | None = None) -> HiSparseKVCacheConfig:
+                pattern: str | None = None,
+                order_misses: str | None = None) -> HiSparseKVCacheConfig:
     """A per-worker HiSparse config of a tiny GLM-5-architecture model (real
     MLA/indexer dims, fp8_ds_mla rows) from the real layout builder;
     ``shared``: the TP-shared host pool's plan (spec 4.12); ``num_mtp``
@@ -112,7 +113,7 @@ def tiny_config(*, num_layers: int = 4, freq: int = 1, index_topk: int = 64,
         index_topk=index_topk, max_decode_query_len=q,
         device_buffer_size=device_buffer_size or (q + 1) * index_topk,
         admission_max_tokens=256, host_pool_bytes=0, shared_host_pool=shared,
-        num_target_layers=num_layers)
+        num_target_layers=num_layers, order_misses=order_misses)
     layout = build_hisparse_layout(specs, params)
     params = dataclasses.replace(
         params, host_pool_bytes=num_host_blocks * layout.host_block_stride(shared))

@@ -44,6 +44,7 @@ from vllm.v1.hisparse.config_checks import (
     max_decode_query_len,
     model_architecture,
     model_index_topk,
+    order_mode,
     resolve_host_pool_gib,
     shared_host_pool,
     unsupported_model_error,
@@ -117,6 +118,8 @@ class HiSparseParams:
     num_target_layers: int | None = None
     """hf ``num_hidden_layers``: sparse layers ``layers.<i>`` with i >= it are
     the drafter's (MTP); None: every layer is a target layer."""
+    order_misses: str | None = None
+    """The miss order (None, "row" or "step"): "step" holds K7's buffers."""
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "HiSparseParams":
@@ -149,6 +152,7 @@ class HiSparseParams:
             num_target_layers=getattr(
                 vllm_config.model_config.hf_text_config, "num_hidden_layers", None
             ),
+            order_misses=order_mode(hisparse_config.order_misses),
         )
 
 
@@ -432,6 +436,9 @@ class HiSparseLayout:
     """The drafter's (MTP) sparse layers, the last of ``sparse_layers``.
     Packed like any unit (they may share a pair with target layers); the
     worker mirrors them after the drafter (docs/mtp.md 3.2, 3.5)."""
+    order_misses: str | None = None
+    """``hisparse_config.order_misses`` as a mode (None, "row", "step"):
+    the reserve counts K7's buffers when it is "step"."""
 
     SOURCE_GROUP_ID = 0
     INDEXER_GROUP_ID = 1
@@ -784,4 +791,5 @@ def build_hisparse_layout(
         addressing=addressing,
         attention_block_stride=attention_block_stride,
         draft_layers=find_draft_layers(roles.sparse, params.num_target_layers),
+        order_misses=params.order_misses,
     )

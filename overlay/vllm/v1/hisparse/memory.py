@@ -119,6 +119,15 @@ def workspace_bytes(rows: int, top_k: int) -> int:
     return 3 * rows * top_k * INT32 + 2 * rows * INT32
 
 
+def step_order_bytes(rows: int, top_k: int) -> int:
+    """K7's ``StepOrder`` (order_misses="step"): four int32 [R * K] lists, the
+    int32 total, and CUB's radix-sort scratch, estimated as its alternate
+    key and value buffers plus 1 MiB for the passes' histograms (the exact
+    size is asked of CUB on the GPU; check_worker_reserve reports a miss)."""
+    cells = rows * top_k
+    return 4 * cells * INT32 + INT32 + 2 * cells * INT32 + MiB
+
+
 def prefill_staging_bytes(max_model_len: int, block_size: int, row_bytes: int) -> int:
     """``StagingCache``: the [C, B, W] cache (C = pages + 1, block 0 null),
     its int32 [1, C - 1] block table and its int32 [1] start."""
@@ -220,6 +229,7 @@ def hisparse_gpu_reserve(
     # vLLM profiles and would allocate one group's block table; HiSparse's
     # split adds the others (source, indexer, resident and hot groups).
     extra_groups = max(len(layout.kv_cache_groups) - 1, 0)
+    rows = workspace_rows(limits, layout.max_decode_query_len)
     return HiSparseGpuReserve(
         bytes_per_block=layout.bytes_per_block,
         staging_blocks=staging_block_count(max_model_len, b, t),
@@ -228,9 +238,9 @@ def hisparse_gpu_reserve(
             limits,
             layout.device_buffer_size,
         ),
-        workspace=workspace_bytes(
-            workspace_rows(limits, layout.max_decode_query_len), layout.index_topk
-        ),
+        workspace=workspace_bytes(rows, layout.index_topk)
+        + (step_order_bytes(rows, layout.index_topk)
+           if layout.order_misses == "step" else 0),
         prefill_staging=prefill_staging_bytes(max_model_len, b, layout.row_bytes),
         mirror=mirror_bytes(layout.num_sparse_layers, t),
         block_tables=block_table_bytes(extra_groups, limits, max_model_len, b),

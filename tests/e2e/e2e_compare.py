@@ -290,9 +290,17 @@ CHECKS = {
     "mirror_audit_clean": lambda c: c.get("audit_mismatches", 0) == 0,
     "fault_fired": lambda c: c.get("fault_fired", 0) > 0,
     "pages_adopted": lambda c: c.get("pages_adopted", 0) > 0,
+    "imported_to_device": lambda c: c.get("import_device_pages", 0) > 0,
+    "imported_to_host": lambda c: c.get("import_host_pages", 0) > 0,
+    "no_import_fallback": lambda c: c.get("import_fallbacks", 0) == 0,
 }
 PRESSURE = ("lost_pages", "hot_misses", "spills_completed", "no_preemption")
 OFFLOADED_HITS = ("host_prefix", "returning")
+PD_CONSUMER = ("imported_to_device", "imported_to_host", "no_import_fallback", "hot_misses",
+               "no_preemption")
+"""A P/D consumer's proof (4.13, INV-30): both landings occurred, every
+import landed (none given up or failed), the host-landed pages were read
+from host, and no import preempted anyone."""
 ZERO_RESIDENT_RETURNS = ("host_prefix",)
 """Its request fits the pool alone: its proof is the zero-resident return
 (hot misses on host rows, the offloaded indexer), not lost pages."""
@@ -302,14 +310,19 @@ def expected_checks(spec: Mapping[str, Any], scenario: str) -> list[str]:
     """What a HiSparse scenario must prove beyond the comparison.
 
     ``spec`` keys: kind ("pressure" | "nopressure" | "hostex"), audit,
-    offload, and the scenarios exempt from pressure by construction
-    (``no_pressure``) or whose host-prefix hits are restored to resident
-    pages without pressure (``adopt``).
+    offload, pd ("consumer": PD_CONSUMER), and the scenarios exempt from
+    pressure by construction (``no_pressure``) or whose host-prefix hits
+    are restored to resident pages without pressure (``adopt``).
     """
+    pd = spec.get("pd") == "consumer"
     if scenario == "fault_probe":
-        return ["fault_fired"]
+        # a P/D consumer imports the probe's prompt host-landed: the fault
+        # corrupts an imported page
+        return ["fault_fired"] + (["imported_to_host", "no_import_fallback"] if pd else [])
     kind = spec.get("kind", "pressure")
-    if kind == "hostex":
+    if pd:
+        names = list(PD_CONSUMER)
+    elif kind == "hostex":
         names = ["preempted_on_host_exhaustion"]
     elif kind == "nopressure":
         names = (["pages_adopted", "no_preemption"] if scenario in spec.get("adopt", ())

@@ -150,6 +150,24 @@ def _chat_chain(rng: random.Random) -> Scenario:
     return calls
 
 
+PD_CALLS = ((2500,), (12000,), (3000, 7000))
+"""P/D imports (docs/pd-imports.md, spec 4.13): prompt lengths per call.
+Under the gate's pressure pool (450 blocks at chunk 2048) a prompt alone
+lands resident up to ~70 pages (DEVICE: 5 blocks a page plus the hot
+region, the transition watermark left free), a longer one host-only
+(HOST: its indexer pages and P_last); the last call lands one of each side
+by side. None is 1 mod 64: the producer keys a prompt's files by its
+first ``align(len)`` tokens, the consumer looks them up by ``align(len -
+1)`` (the pin's ExampleConnector), which differ exactly then."""
+
+
+def _pd_imports(rng: random.Random) -> Scenario:
+    """Fresh single-turn prompts (a producer's 1-token outputs never enter
+    a later prompt), 64 tokens out on the consumers."""
+    return [[Turn(f"p{c}_{i}", random_ids(rng, n), 64) for i, n in enumerate(call)]
+            for c, call in enumerate(PD_CALLS)]
+
+
 SCENARIOS = {
     "single6k": _single(6000, 64),
     "single12k": _single(12000, 64),
@@ -160,6 +178,7 @@ SCENARIOS = {
     "returning": _returning,
     "equal_followups": _equal_followups,
     "chat_chain": _chat_chain,
+    "pd_imports": _pd_imports,
     # The negative control's probe: one long request under pressure whose
     # early pages go host-only during its prefill (a fresh prompt, so the
     # fault it gets poisons no other scenario's prefix).

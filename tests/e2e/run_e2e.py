@@ -162,11 +162,25 @@ MODES = {
 # hold different, equally valid indexer KV (runs 20-23: chat_chain's rounds 2
 # and 3). Offloading decoded pages too gives the on arm the first version.
 OFFLOAD = {"cpu_bytes_to_use": 1 << 30, "offload_prompt_only": False}
+# P/D imports (docs/pd-imports.md "GPU e2e", spec 4.13, INV-30): the prefill
+# instance and the HiSparse-off consumer run the pin's file format through
+# SparseMLAExampleConnector (the pin's ExampleConnector moves no sparse-MLA
+# row and never saves the indexer cache); the HiSparse consumer names the
+# pin's connector, as a user would, and HiSparse composes its importer.
+PD_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.importing"
+PD_CONNECTOR = "SparseMLAExampleConnector"
+PD_DIR = "pd_kv"
+"""The files' folder under --out (shared_storage_path of every P/D engine),
+emptied when the producer starts: a stale file would be imported."""
+PD_PRODUCER_CHUNK = MAX_MODEL_LEN
+"""The producer saves a prompt in the step that schedules it and refuses a
+split one: every prompt (and each call's prompts together) fits a step."""
 
 
 def engine_specs() -> dict[str, dict]:
     """name -> {model, mode, chunk, hisparse: None | dict, blocks, offload,
-    audit, kind, no_pressure, hot, tp, spec (MTP k), out_tokens}."""
+    audit, kind, no_pressure, hot, tp, spec (MTP k), out_tokens, pd (None |
+    "producer" | "consumer"), max_out_tokens}."""
     def off(model="glm", mode="default", chunk=2048, tp=1, spec=0):
         return with_spec(dict(model=model, mode=mode, chunk=chunk, hisparse=None, tp=tp,
                               separate_prefill=model in FEW_HEADS), spec)
@@ -176,16 +190,20 @@ def engine_specs() -> dict[str, dict]:
                  "off_tp2": off(tp=2), "off_dsv32": off(model="dsv32"),
                  "off_h16": off(model="glm_h16"), "off_h8": off(model="glm_h8"),
                  **{f"off_{t}": off(model="glm_mtp", mode=m, spec=k)
-                    for t, (k, m) in MTP_TAGS.items()}}
+                    for t, (k, m) in MTP_TAGS.items()},
+                 # P/D: computes the prompts itself (tokens beside on_pd; its
+                 # replay arm imports the producer's files, as on_pd does)
+                 "off_pd": off()}
 
     def on(model="glm", mode="default", chunk=2048, blocks="pressure", offload=False,
-           audit=False, kind="pressure", tp=1, spec=0, **hisparse):
+           audit=False, kind="pressure", tp=1, spec=0, pd=None, **hisparse):
         if blocks == "pressure":
             blocks = (MTP_PRESSURE_BLOCKS[spec] if spec else
                       DSV32_PRESSURE_BLOCKS if model == "dsv32" else PRESSURE_BLOCKS[chunk])
         return with_spec(dict(model=model, mode=mode, chunk=chunk,
                               hisparse={"host_pool_gib": 2, **hisparse}, blocks=blocks,
-                              offload=offload, audit=audit, kind=kind, tp=tp), spec)
+                              offload=offload, audit=audit, kind=kind, tp=tp,
+                              **({"pd": pd} if pd else {})), spec)
 
     def on_mtp(tag: str, **kw):
         k, mode = MTP_TAGS[tag]
@@ -239,9 +257,17 @@ def engine_specs() -> dict[str, dict]:
         **{name: spec for t in MTP_TAGS
            for name, spec in ((f"off_{t}", specs_off[f"off_{t}"]), (f"on_{t}", on_mtp(t)))},
         "on_mtp3_audit": on_mtp("mtp3", audit=True),
+        # P/D (4.13, INV-30): the prefill instance writes every prompt's KV
+        # (1 token out), the HiSparse consumer imports it under the pressure
+        # pool, its replay arm (below) imports the same files.
+        "off_pd": specs_off["off_pd"],
+        "pd_prefill": dict(off(chunk=PD_PRODUCER_CHUNK), pd="producer", max_out_tokens=1),
+        "on_pd": on(pd="consumer"),
         # Replay arms: the off engine's configuration, following the
-        # recorded schedules of the HiSparse engines run before them.
-        **{rep: dict(specs_off[ref], replay_of=ref) for rep, ref in REPLAYS.items()},
+        # recorded schedules of the HiSparse engines run before them; a P/D
+        # consumer's arm consumes the same files (only it can be bitwise).
+        **{rep: dict(specs_off[ref], replay_of=ref, **PD_REPLAYS.get(rep, {}))
+           for rep, ref in REPLAYS.items()},
     }
 
 
@@ -255,10 +281,15 @@ REPLAYS = {
     "rep_c2k": "off_c2k", "rep_c8k": "off_c8k", "rep_eager": "off_eager",
     "rep_fdo": "off_fdo", "rep_share": "off_share", "rep_tp2": "off_tp2",
     "rep_dsv32": "off_dsv32", "rep_h16": "off_h16", "rep_h8": "off_h8",
-    **{f"rep_{t}": f"off_{t}" for t in MTP_TAGS},
+    **{f"rep_{t}": f"off_{t}" for t in MTP_TAGS}, "rep_pd": "off_pd",
 }
 """Replay engine -> the off engine whose configuration it has; it replays
 every HiSparse engine of that reference that ran before it."""
+PD_REPLAYS = {"rep_pd": {"pd": "consumer"}}
+"""What a replay arm has beyond its off engine: rep_pd imports the files
+(synchronously: schedule_replay.py follows on_pd's asynchronous imports)."""
+PRODUCERS = {"on_pd": "pd_prefill", "rep_pd": "pd_prefill"}
+"""P/D consumer -> the engine that writes its files (earlier in --engines)."""
 REFERENCE = {
     "on_c2k": "off_c2k", "on_c2k_audit": "off_c2k", "on_nooff": "off_c2k",
     "on_lazy": "off_c2k", "on_ordered": "off_c2k",
@@ -266,10 +297,11 @@ REFERENCE = {
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
     "on_tp2": "off_tp2", "on_dsv32": "off_dsv32", "on_h16": "off_h16", "on_h8": "off_h8",
     **{f"on_{t}": f"off_{t}" for t in MTP_TAGS}, "on_mtp3_audit": "off_mtp3",
+    "on_pd": "off_pd",
 }
 SCENARIO_ORDER = ("single6k", "single12k", "short_topk", "concurrent", "host_prefix",
                   "equal_followups", "chat_chain", "long_outputs", "returning",
-                  "fault_probe")
+                  "pd_imports", "fault_probe")
 # HiSparse engines' scenarios. "returning" may hit F21 (staging capacity) and
 # "fault_probe" poisons the host prefix cache: each comes last where it runs.
 ON_PLAN = {
@@ -296,12 +328,17 @@ ON_PLAN = {
     # E2E-5: host_prefix drops the common hit's last token under MTP (R8)
     **{f"on_{t}": ["single6k", "concurrent", "host_prefix", "fault_probe"] for t in MTP_TAGS},
     "on_mtp3_audit": ["single6k", "concurrent", "host_prefix"],
+    # P/D (4.13): on_pd's fault_probe prompt is imported too, host-landed
+    # (125 pages do not fit resident), so the negative control corrupts an
+    # imported host-only page and the replay over the clean files sees it.
+    "on_pd": ["pd_imports", "fault_probe"],
 }
 SCENARIO_IDS = {
     "single6k": "E2E-1", "single12k": "E2E-1", "short_topk": "K9 (prompts <= top-k)",
     "concurrent": "E2E-2", "host_prefix": "E2E-4,E2E-7", "long_outputs": "E2E-9",
     "equal_followups": "K13 (uniform short chunks)", "returning": "F21, 4.13 (many returns)",
     "chat_chain": "R5 (soak run 19: follow-ups over their parents' decoded pages)",
+    "pd_imports": "4.13, INV-30 (P/D imports: device and host landings)",
     "fault_probe": "T1 negative control",
 }
 ENGINE_IDS = {
@@ -313,6 +350,7 @@ ENGINE_IDS = {
     **{f"on_{t}": f"E2E-5 (MTP {k}{', E2E-3' if m == 'fdo' else ''})"
        for t, (k, m) in MTP_TAGS.items()},
     "on_mtp3_audit": "E2E-5, F2 (mirror audit, MTP 3)",
+    "on_pd": "4.13 P/D consumer",
 }
 DEFAULT_ENGINES = ("off_c2k", "on_c2k", "on_c2k_audit", "on_lazy", "on_hostex", "rep_c2k",
                    "off_c8k", "on_c8k", "rep_c8k")
@@ -330,6 +368,10 @@ def plan_for(engine: str, wanted: list[str]) -> list[str]:
     reference before it in ``wanted``."""
     if engine in ON_PLAN:
         return list(ON_PLAN[engine])
+    if engine in set(PRODUCERS.values()):
+        need = {s for e in wanted if PRODUCERS.get(e) == engine and e in ON_PLAN
+                for s in ON_PLAN[e]}
+        return [s for s in SCENARIO_ORDER if s in need]
     if engine in REPLAYS:
         before = wanted[:wanted.index(engine)]
         return [f"{e}/{s}" for e in before if REFERENCE.get(e) == REPLAYS[engine]
@@ -357,6 +399,12 @@ def validate_engines(wanted: list[str], specs: dict) -> None:
         if e in REPLAYS and not plan_for(e, wanted):
             raise ValueError(f"{e} replays the HiSparse engines of {REPLAYS[e]}: "
                              "name at least one of them earlier in --engines")
+        producer = PRODUCERS.get(e)
+        if producer is not None and producer not in wanted[:i]:
+            raise ValueError(f"{e} imports what {producer} writes: name it earlier "
+                             "in --engines")
+        if specs[e].get("pd") == "producer" and not plan_for(e, wanted):
+            raise ValueError(f"{e} writes files for a P/D consumer: name one after it")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -595,8 +643,9 @@ def engine_env(spec: dict, plan: list[str]) -> dict[str, str]:
     return env
 
 
-def llm_kwargs(spec: dict, model_dirs: dict) -> dict:
-    """LLM(...) keyword arguments of an engine (plain values and configs)."""
+def llm_kwargs(spec: dict, model_dirs: dict, pd_dir: Path | None = None) -> dict:
+    """LLM(...) keyword arguments of an engine (plain values and configs);
+    ``pd_dir``: the P/D engines' shared_storage_path."""
     from vllm.config import AttentionConfig, KVTransferConfig
     from vllm.config.hisparse import HiSparseConfig
 
@@ -610,6 +659,8 @@ def llm_kwargs(spec: dict, model_dirs: dict) -> dict:
         # The prefill path HiSparse forces (K9), set explicitly in the off arm.
         kw["attention_config"] = AttentionConfig(sparse_mla_force_mqa=True)
         kw["kv_cache_memory_bytes"] = OFF_KV_BYTES
+        if spec.get("pd"):
+            kw["kv_transfer_config"] = pd_transfer_config(spec, pd_dir)
         return kw
     kw["attention_config"] = AttentionConfig(
         hisparse_config=HiSparseConfig(**spec["hisparse"]))
@@ -621,7 +672,42 @@ def llm_kwargs(spec: dict, model_dirs: dict) -> dict:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", **OFFLOAD})
+    if spec.get("pd"):
+        kw["kv_transfer_config"] = pd_transfer_config(spec, pd_dir)
     return kw
+
+
+def pd_transfer_config(spec: dict, pd_dir: Path | None):
+    """A P/D engine's kv_transfer_config over ``pd_dir``: the producer and
+    the HiSparse-off consumer with SparseMLAExampleConnector (synchronous
+    loads), the HiSparse consumer with the pin's ExampleConnector, which
+    HiSparse composes into its importer (asynchronous loads)."""
+    from vllm.config import KVTransferConfig
+
+    if pd_dir is None:
+        raise ValueError("a P/D engine needs the files' folder (pd_dir)")
+    role = "kv_producer" if spec["pd"] == "producer" else "kv_consumer"
+    extra = {"shared_storage_path": str(pd_dir)}
+    if spec["hisparse"] is not None:
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role=role,
+                                kv_connector_extra_config=extra)
+    return KVTransferConfig(kv_connector=PD_CONNECTOR, kv_connector_module_path=PD_MODULE,
+                            kv_role=role, kv_connector_extra_config=extra)
+
+
+def pd_folders(pd_dir: Path) -> set[str]:
+    """The prompts' folders the producer wrote so far."""
+    return {p.name for p in pd_dir.iterdir() if p.is_dir()} if pd_dir.is_dir() else set()
+
+
+def reset_pd_dir(pd_dir: Path) -> None:
+    """An empty folder for the producer: files of another run (other
+    weights) would be imported by the consumers, and by the producer itself
+    (the pin's connector loads whatever it finds)."""
+    import shutil
+
+    shutil.rmtree(pd_dir, ignore_errors=True)
+    pd_dir.mkdir(parents=True)
 
 
 def queued_failures(llm) -> list[str]:
@@ -705,9 +791,14 @@ def generate_records(llm, prompts: list[list[int]], max_tokens: list[int],
                                        done[i].outputs[0].logprobs) for i in ids]
 
 
-def scenario_calls(name: str, out_tokens: int = 0) -> list:
-    """The scenario's calls, every turn generating at least ``out_tokens``."""
-    return [[dataclasses.replace(t, max_tokens=max(t.max_tokens, out_tokens)) for t in call]
+def scenario_calls(name: str, out_tokens: int = 0, max_out: int | None = None) -> list:
+    """The scenario's calls, every turn generating at least ``out_tokens``
+    and, with ``max_out`` (a P/D producer: 1), at most that many."""
+    def n(t) -> int:
+        m = max(t.max_tokens, out_tokens)
+        return m if max_out is None else min(m, max_out)
+
+    return [[dataclasses.replace(t, max_tokens=n(t)) for t in call]
             for call in workload.scenario(name)]
 
 
@@ -722,7 +813,8 @@ def settle(llm, deadline: float) -> None:
 
 
 def run_scenario(llm, name: str, deadline: float, plan: list | None = None,
-                 out_tokens: int = 0) -> tuple[dict[str, dict], list, dict | None]:
+                 out_tokens: int = 0, max_out: int | None = None
+                 ) -> tuple[dict[str, dict], list, dict | None]:
     """Every call of the scenario in order, from an empty prefix cache, on
     the engine's own schedule or following ``plan`` (another engine's keyed
     steps); the records by request key ("call/conversation"), the keyed
@@ -739,7 +831,7 @@ def run_scenario(llm, name: str, deadline: float, plan: list | None = None,
     tap.start(plan)
     histories: dict[str, list[int]] = {}
     records: dict[str, dict] = {}
-    for c, call in enumerate(scenario_calls(name, out_tokens)):
+    for c, call in enumerate(scenario_calls(name, out_tokens, max_out)):
         prompts = [workload.prompt_of(t, histories) for t in call]
         keys = [f"{c}/{t.conv}" for t in call]
         recs = generate_records(llm, prompts, [t.max_tokens for t in call], deadline, keys)
@@ -898,6 +990,7 @@ class Gate:
                             **{f"mtp{k}": startup_minimum_blocks(MAX_MODEL_LEN, 2048, q=1 + k)
                                for k in MTP_PRESSURE_BLOCKS}}}
         self.variant: str | None = None
+        self.pd_dir = self.out / PD_DIR
         self.fingerprints: dict[str, dict] = {}
         self.failures: list[str] = []
 
@@ -948,7 +1041,9 @@ class Gate:
         log("engine", name, "start", plan)
         t0 = time.time()
         try:
-            kw = llm_kwargs(spec, self.model_dirs)
+            if spec.get("pd") == "producer":
+                reset_pd_dir(self.pd_dir)
+            kw = llm_kwargs(spec, self.model_dirs, self.pd_dir)
             rec["llm_kwargs"] = {k: str(v) for k, v in kw.items()}
             from vllm import LLM
 
@@ -1041,8 +1136,13 @@ class Gate:
             entry["armed"] = llm.collective_rpc(arm_host_row_fault)
         t0 = time.time()
         before, spec_before = counters(llm), acceptance(llm)
+        folders = pd_folders(self.pd_dir)
         records, trace, _ = run_scenario(llm, scenario, t0 + self.a.scenario_timeout,
-                                         out_tokens=self.specs[name].get("out_tokens", 0))
+                                         out_tokens=self.specs[name].get("out_tokens", 0),
+                                         max_out=self.specs[name].get("max_out_tokens"))
+        if self.specs[name].get("pd") == "producer":
+            self.check_saved(name, scenario, entry, len(records),
+                             pd_folders(self.pd_dir) - folders)
         entry["wall_s"] = round(time.time() - t0, 1)
         entry["counters"] = delta(counters(llm), before)
         if spec_before is not None:
@@ -1055,6 +1155,16 @@ class Gate:
         self.R["records"][key], self.R["traces"][key] = records, trace
         entry["distinct_tokens"] = len({t for r in records.values() for t in r["tokens"]})
         entry["steps"] = len(trace)
+
+    def check_saved(self, name: str, scenario: str, entry: dict, requests: int,
+                    new: set[str]) -> None:
+        """The producer wrote a folder for every prompt of the scenario (a
+        prompt's files are what its consumers import)."""
+        files = sorted({len(list((self.pd_dir / f).iterdir())) for f in new})
+        entry["pd_saved"] = {"folders": len(new), "requests": requests,
+                             "files_per_folder": files}
+        if len(new) != requests or len(files) != 1:
+            self.fail(f"{name}/{scenario}: the producer saved {entry['pd_saved']}")
 
     def judge(self, name: str, spec: dict, scenario: str, entry: dict) -> None:
         ref = f"{REFERENCE[name]}/{scenario}"
@@ -1180,11 +1290,25 @@ class Gate:
             if differ:
                 self.fail(f"weights of {key} differ from {first_name}'s: {differ}")
         self.R["weights_identical"] = same
+        self.drop_pd_files()
         ncs = self.R["negative_control"]
         self.R["negative_control_detected"] = all(nc["pass"] for nc in ncs) if ncs else None
         self.R["variant"] = self.variant
         self.save()
         log("done, failures:", len(self.failures), self.failures)
+
+
+    def drop_pd_files(self) -> None:
+        """The P/D files (~100 MB a run) are not results: their size is
+        recorded and they are removed, so that --out stays small."""
+        if not self.pd_dir.is_dir():
+            return
+        import shutil
+
+        files = [f for f in self.pd_dir.rglob("*") if f.is_file()]
+        self.R["pd_files"] = {"folders": len(pd_folders(self.pd_dir)), "files": len(files),
+                              "bytes": sum(f.stat().st_size for f in files)}
+        shutil.rmtree(self.pd_dir, ignore_errors=True)
 
 
 def unkeyed(steps: list) -> list[list[int]]:

@@ -32,11 +32,21 @@ or in a server's engine core through the test plugin
   and aborts, hides every running and waiting request the step does not
   name, puts the named running ones in the recorded order, sets the step's
   token budget to the recorded total, and caps each admission's prefix hit
-  at the recorded ``computed``; it restores the queues and the budget
-  afterwards. vLLM's scheduler gives a request min(its remaining tokens,
-  the budget left), so this reproduces the counts. Replayed steps are
+  at the recorded ``computed`` (the local hit, then the external tokens its
+  KV connector offers); it restores the queues and the budget afterwards.
+  vLLM's scheduler gives a request min(its remaining tokens, the budget
+  left), so this reproduces the counts. Replayed steps are
   recorded like any other, so the comparison checks that the replay
   reproduced the schedule; where it could not, ``diverged`` says where.
+- P/D imports (docs/pd-imports.md): a HiSparse consumer loads an import
+  asynchronously (its admission step schedules no token for the request,
+  which waits in WAITING_FOR_REMOTE_KVS until the load is reported), so the
+  trace first names the request at its first forward, with ``computed`` =
+  its local hit plus the imported tokens. A replay arm whose connector
+  loads synchronously (SparseMLAExampleConnector over the same files) is
+  admitted at exactly that step with the same hit, and its load runs in
+  that step's forward: the keyed steps are the same. Its short-hit wait
+  (below) counts the connector's tokens, which an admission gets at once.
 - a streaming replay (``start(plan=[], streaming=True)`` then ``extend``)
   follows a schedule that is still being recorded elsewhere: with nothing
   left to follow it schedules nothing, until more arrives.
@@ -44,7 +54,8 @@ or in a server's engine core through the test plugin
 Test-only: it touches scheduler attributes of the pinned vLLM 0.26.0
 (``running``, ``waiting``, ``skipped_waiting``, ``requests``,
 ``max_num_scheduled_tokens``, ``_preempt_request``, ``finish_requests``,
-``kv_cache_manager.get_computed_blocks``).
+``kv_cache_manager.get_computed_blocks``,
+``connector.get_num_new_matched_tokens``).
 """
 
 from __future__ import annotations
@@ -99,6 +110,8 @@ class ScheduleTap:
         self.caps: dict[str, int] = {}
         self.stalls = 0
         self.short_waits = 0
+        self.waited = 0
+        """Empty calls spent on short hits since ``start`` (all admissions)."""
         self.events: list[list] = []
         """Preemptions and aborts since the last recorded step."""
         self.ran: set[str] = set()
@@ -116,6 +129,10 @@ class ScheduleTap:
         self._computed = getattr(manager, "get_computed_blocks", None)
         if self._computed is not None:
             manager.get_computed_blocks = self.get_computed_blocks
+        connector = getattr(scheduler, "connector", None)
+        self._external = getattr(connector, "get_num_new_matched_tokens", None)
+        if self._external is not None:
+            connector.get_num_new_matched_tokens = self.get_num_new_matched_tokens
 
     # ------------------------------------------------------------ control
 
@@ -127,7 +144,7 @@ class ScheduleTap:
         self.plan = None if plan is None else deque(plan)
         self.streaming = streaming
         self.diverged, self.stalls, self.events, self.ran = None, 0, [], set()
-        self.short_waits = 0
+        self.short_waits = self.waited = 0
 
     def extend(self, steps: Iterable[Step]) -> None:
         """More recorded steps for a streaming replay."""
@@ -161,6 +178,7 @@ class ScheduleTap:
             # Let the in-flight step's output land first: it may cache the
             # page the recorded admission hit (an idle gap on the server).
             self.short_waits += 1
+            self.waited += 1
             out = self._paced([], args, kwargs)
             self._consume(want, self._record(out))
             return out
@@ -201,6 +219,18 @@ class ScheduleTap:
         n = cap // self.sched.block_size
         tokens = n * self.sched.block_size
         return _truncated(blocks, n), tokens, min(boundary, tokens)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        """The connector's (external tokens, async), cut so that a replayed
+        admission's local hit plus external tokens is the recorded hit: an
+        import the recorded engine gave up (it computed the prompt, 4.13
+        "recompute") is computed here too, not loaded."""
+        ext, load_async = self._external(request, num_computed_tokens)
+        cap = self.caps.get(request.request_id)
+        if cap is None or not ext or num_computed_tokens + ext <= cap:
+            return ext, load_async
+        ext = max(cap - num_computed_tokens, 0)
+        return ext, load_async and ext > 0
 
     # ------------------------------------------------------------ details
 
@@ -276,9 +306,19 @@ class ScheduleTap:
             request = self.sched.requests.get(self.ids.get(key, key))
             if request is None or request.num_computed_tokens or request in self.sched.running:
                 continue
-            if self._computed(request)[1] < cap:
+            if self._hit(request) < cap:
                 return True
         return False
+
+    def _hit(self, request: Any) -> int:
+        """A waiting request's hit if admitted now: the local prefix hit,
+        plus the external tokens the connector would load (a lookup; the
+        replay arm's connector, HiSparse off, answers from its files)."""
+        local = self._computed(request)[1]
+        if self._external is None:
+            return local
+        ext, _ = self._external(request, local)
+        return local + (ext or 0)
 
     def _apply_events(self, want: Step) -> None:
         """Preempt and abort, before this step's schedule, what the recorded

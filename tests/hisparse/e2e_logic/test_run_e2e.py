@@ -184,8 +184,12 @@ def test_each_command_replays_every_hisparse_engine():
 
 @pytest.mark.parametrize("replay", sorted(e2e.REPLAYS))
 def test_a_replay_arm_is_its_off_engine(replay):
+    """T1: the replay arm is its off engine, plus (P/D, 4.13) the import
+    of the same files that only a consumer can be bitwise with."""
     spec = dict(SPECS[replay])
     assert spec.pop("replay_of") == e2e.REPLAYS[replay]
+    for key, value in e2e.PD_REPLAYS.get(replay, {}).items():
+        assert spec.pop(key) == value
     assert spec == SPECS[e2e.REPLAYS[replay]]
 
 

@@ -331,3 +331,26 @@ def test_the_ordered_engine_forces_k6_and_nothing_else():
     assert spec == base and e2e.REFERENCE["on_ordered"] == "off_c2k"
     kw = e2e.llm_kwargs(SPECS["on_ordered"], {m: "/m" for m in e2e.MODEL_DIRS})
     assert kw["attention_config"].hisparse_config.order_misses is True
+
+
+def next_session_e2e_commands() -> list[tuple[str, str]]:
+    """(variant, engines) of every e2e call in results/e2e/README.md's
+    table "The next GPU session: what to run, in order"."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "results" / "e2e" / "README.md").read_text()
+    table = text[text.index("## The next GPU session"):]
+    table = table[:table.index("\n\n", table.index("| # |"))]
+    return re.findall(r'--variant (\S+) --engines ([\w,]+)', table)
+
+
+def test_the_next_sessions_e2e_commands_parse():
+    """T1's gate runs cost device time: every e2e command the next-session
+    table lists names engines and a weight variant the driver knows, in an
+    order it accepts (a typo there would only show on the GPU)."""
+    commands = next_session_e2e_commands()
+    assert len(commands) >= 2
+    for variant, engines in commands:
+        a = e2e.parse_args(["--out", "x", "--variant", variant, "--engines", engines])
+        assert a.engines == engines.split(",") and a.variant == variant

@@ -46,11 +46,11 @@ from tests.hisparse.imports.sim_import import (  # noqa: E402
 )
 from tests.hisparse.scheduler.harness import (  # noqa: E402
     AsyncDriver,
+    BaselineAsync,
     baseline_kv_cache_config,
     hisparse_kv_cache_config,
     make_request,
     make_scheduler,
-    model_output,
 )
 
 HOST_BLOCKS = 12000  # about host_pool_gib 2 of the 4-layer model
@@ -119,24 +119,6 @@ def record(tmp: Path, scenario: str = "pd_imports", produce=None) -> dict:
             "preemptions": len(preempted), "jobs": list(rig.importer.loads),
             "reads_checked": rig.worker.reads_checked, "hot_misses": rig.worker.hot_misses,
             "restores": len(getattr(rig.worker, "restores_seen", [])), "calls": calls}
-
-
-class BaselineAsync:
-    """vLLM's async engine loop without a worker double (the off arm)."""
-
-    def __init__(self, s) -> None:
-        self.s, self.in_flight = s, None
-
-    def step(self) -> None:
-        so = self.s.schedule()
-        if self.in_flight is not None:
-            prev = self.in_flight
-            self.s.update_from_output(prev, model_output(self.s, prev, None))
-        self.in_flight = so
-
-    def busy(self) -> bool:
-        return (self.in_flight is not None and bool(self.in_flight.num_scheduled_tokens)) \
-            or self.s.has_unfinished_requests()
 
 
 def off_consumer(tmp: Path, path: str, chunk: int = 2048):

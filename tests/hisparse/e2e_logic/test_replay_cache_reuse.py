@@ -22,8 +22,12 @@ bit for bit (run 24's replay engine ran `returning` only once).
 import pytest
 import schedule_replay as replay
 
-from tests.hisparse.e2e_logic.test_schedule_replay import BaselineAsync, run, scenario
-from tests.hisparse.scheduler.harness import baseline_kv_cache_config, make_scheduler
+from tests.hisparse.e2e_logic.test_schedule_replay import run, scenario
+from tests.hisparse.scheduler.harness import (
+    BaselineAsync,
+    baseline_kv_cache_config,
+    make_scheduler,
+)
 
 
 def _watch_blocks(b) -> dict[str, set[int]]:

@@ -15,45 +15,15 @@ from vllm.v1.request import RequestStatus
 
 from tests.hisparse.scheduler.harness import (
     AsyncDriver,
+    BaselineAsync,
+    BaselineSync,
     SimWorker,
     baseline_kv_cache_config,
     hisparse_kv_cache_config,
     make_request,
     make_scheduler,
-    model_output,
     run_step,
 )
-
-
-class BaselineAsync:
-    """vLLM's async engine loop for a scheduler without a worker double:
-    step t+1 is scheduled before step t's output is processed."""
-
-    def __init__(self, s) -> None:
-        self.s, self.in_flight = s, None
-
-    def step(self) -> None:
-        so = self.s.schedule()
-        if self.in_flight is not None:
-            prev = self.in_flight
-            self.s.update_from_output(prev, model_output(self.s, prev, None))
-        self.in_flight = so
-
-    def busy(self) -> bool:
-        return (self.in_flight is not None and bool(self.in_flight.num_scheduled_tokens)) \
-            or self.s.has_unfinished_requests()
-
-
-class BaselineSync:
-    def __init__(self, s) -> None:
-        self.s = s
-
-    def step(self) -> None:
-        so = self.s.schedule()
-        self.s.update_from_output(so, model_output(self.s, so, None))
-
-    def busy(self) -> bool:
-        return self.s.has_unfinished_requests()
 
 
 class HiSparseSync:

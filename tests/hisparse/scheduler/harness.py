@@ -1381,6 +1381,40 @@ class AsyncDriver:
             or s.has_unfinished_requests() or s.connector.has_pending_push_work()
 
 
+class BaselineAsync:
+    """vLLM's async engine loop for a scheduler without a worker double (a
+    HiSparse-off arm): step t+1 is scheduled before step t's output is
+    processed."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s, self.in_flight = scheduler, None
+
+    def step(self) -> None:
+        so = self.s.schedule()
+        if self.in_flight is not None:
+            prev = self.in_flight
+            self.s.update_from_output(prev, model_output(self.s, prev, None))
+        self.in_flight = so
+
+    def busy(self) -> bool:
+        return (self.in_flight is not None and bool(self.in_flight.num_scheduled_tokens)) \
+            or self.s.has_unfinished_requests()
+
+
+class BaselineSync:
+    """vLLM's sync engine loop for a scheduler without a worker double."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    def step(self) -> None:
+        so = self.s.schedule()
+        self.s.update_from_output(so, model_output(self.s, so, None))
+
+    def busy(self) -> bool:
+        return self.s.has_unfinished_requests()
+
+
 class LateDriver:
     """Forwards that run ``lag`` steps late (1 or 2): step t's forward runs
     after the scheduler has emitted step t + lag, from the metadata and

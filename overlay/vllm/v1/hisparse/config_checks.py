@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from vllm.config.hisparse import ORDER_MISSES_MODES
 from vllm.logger import init_logger
 from vllm.v1.hisparse.constants import (
     BF16_MLA_ROW_BYTES,
@@ -509,7 +510,7 @@ def order_mode(value: bool | str | None) -> str | None:
         return None
     if value is True:
         return "row"
-    if value in ("row", "step"):
+    if value in ORDER_MISSES_MODES:
         return value
     raise HiSparseConfigError(
         f"hisparse_config.order_misses={value!r} must be true, false, "

@@ -162,6 +162,19 @@ class ScheduleTap:
             self._diverge({"left_over": len(self.plan), "wanted": self.plan[0]})
         return self.diverged
 
+    def detach(self) -> None:
+        """Give the scheduler its own methods back: what the engine runs
+        after a replay (the soak's controls) is not part of its schedule
+        (soak run 36 counted the sensitivity control's 55 steps as
+        replayed ones)."""
+        s = self.sched
+        s.schedule, s._preempt_request, s.finish_requests = (
+            self._schedule, self._preempt, self._finish)
+        if self._computed is not None:
+            s.kv_cache_manager.get_computed_blocks = self._computed
+        if self._external is not None:
+            s.connector.get_num_new_matched_tokens = self._external
+
     @property
     def following(self) -> bool:
         return self.plan is not None and (bool(self.plan) or self.streaming)

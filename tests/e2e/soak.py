@@ -581,8 +581,10 @@ def follow(llm, work: Path, deadline: float) -> dict:
             "diverged": tap.diverged, "followed_tail": join.kept[-3:],
             "replayed_tail": tap.steps[-3:], "after_s": round(time.time() - t0, 1)}))
     left = [k for k in join.added if k not in records]
+    diverged = tap.finish()
+    tap.detach()
     return {"records": records, "followed": join.kept, "replayed": tap.steps,
-            "diverged": tap.finish(), "skipped_steps": join.skipped,
+            "diverged": diverged, "skipped_steps": join.skipped,
             "foreign_steps": join.foreign[:5], "pending_steps": len(join.pending),
             "unfinished": left[:20], "follow_s": round(time.time() - t0, 1)}
 

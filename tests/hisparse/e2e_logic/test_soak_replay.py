@@ -111,6 +111,16 @@ def test_the_replay_follows_the_server_and_finishes_what_it_finished(tmp_path, m
     assert {k: r["tokens"] for k, r in out["records"].items()} == served
     assert out["unfinished"] == [sl.server_key("d")]  # aborted, as on the server
 
+    # R5: the soak's controls run on this engine after the replay; their
+    # steps are not replayed ones (run 36: the sensitivity control's 55).
+    replayed = list(out["replayed"])
+    llm.llm_engine.add_request("control", {"prompt_token_ids": [3] * 300},
+                               run_e2e.sampling(4))
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert out["replayed"] == replayed
+    assert b.schedule.__func__ is Scheduler.schedule  # the tap let go
+
 
 # ------------------------------------------------- a soak-shaped load
 

@@ -32,6 +32,9 @@ ARMS: dict[str, dict] = {
                    "doc": "as on, with the OffloadingConnector (TieringOffloadingSpec) beside it"},
     "on_lazy": {"vllm": "ours", "hisparse": True, "eager_host_mirror": False,
                 "doc": "as on, eager_host_mirror=false (P6's reference)"},
+    "on_step": {"vllm": "ours", "hisparse": True, "eager_host_mirror": True,
+                "order_misses": "step",
+                "doc": "as on, order_misses='step' (K7): what its sort costs with no miss"},
     "u_off": {"vllm": "upstream", "hisparse": False,
               "doc": "upstream vLLM 0.30.0, HiSparse off (model runner V2, sparse MQA prefill)"},
     "u_on": {"vllm": "upstream", "hisparse": True,
@@ -42,6 +45,7 @@ RATIOS = (
     ("on", "off", "p2"),
     ("on_offload", "on", "offload"),
     ("on", "on_lazy", "p6"),
+    ("on_step", "on", "k7_zero_miss"),
     ("u_on", "u_off", "upstream_p2"),
 )
 MODES = {
@@ -150,6 +154,8 @@ def llm_kwargs(cfg: TaxConfig, arm: str, mode: str, layers: int, model_dir: str)
                 "host_pool_gib": cfg.host_gib(layers),
                 "admission_max_tokens": cfg.max_model_len,  # the window holds every prompt
                 "eager_host_mirror": a["eager_host_mirror"]}}
+            if a.get("order_misses"):
+                kw["attention_config"]["hisparse_config"]["order_misses"] = a["order_misses"]
         if a.get("offload"):
             kw["kv_transfer_config"] = {
                 "kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -55,6 +55,11 @@ def test_llm_kwargs_per_arm():
     assert on["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     assert tax.llm_kwargs(c, "on_lazy", "default", 4, "/m")["attention_config"][
         "hisparse_config"]["eager_host_mirror"] is False
+    # K7's zero-miss cost (P9 / P2): the on arm plus order_misses="step"
+    step = tax.llm_kwargs(c, "on_step", "default", 4, "/m")["attention_config"]["hisparse_config"]
+    assert step == {**tax.llm_kwargs(c, "on", "default", 4, "/m")["attention_config"][
+        "hisparse_config"], "order_misses": "step"}
+    assert "order_misses" not in hs
     kv = tax.llm_kwargs(c, "on_offload", "default", 4, "/m")["kv_transfer_config"]
     assert kv["kv_connector"] == "OffloadingConnector"
     assert kv["kv_connector_extra_config"]["spec_name"] == "TieringOffloadingSpec"
@@ -77,7 +82,7 @@ def test_compilation_extra_reaches_only_its_arms():
     assert tax.llm_kwargs(c, "u_off", "default", 4, "/m")["compilation_config"] == {"mode": 0}
 
 
-@pytest.mark.parametrize("arm", ["off", "on", "on_offload", "on_lazy"])
+@pytest.mark.parametrize("arm", ["off", "on", "on_offload", "on_lazy", "on_step"])
 @pytest.mark.parametrize("mode", ["default", "fdo"])
 def test_vllm_accepts_our_engine_arguments(arm, mode, tmp_path):
     """vLLM's own EngineArgs -> VllmConfig on the CPU platform: the keys,
@@ -104,9 +109,10 @@ def test_vllm_accepts_our_engine_arguments(arm, mode, tmp_path):
     if hs is not None:
         assert hs.admission_max_tokens == vc.model_config.max_model_len
         assert hs.eager_host_mirror == (arm != "on_lazy")
+        assert hs.order_misses == ("step" if arm == "on_step" else None)
     connector = vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None
     assert connector == {"off": None, "on": "HiSparseConnector", "on_lazy": "HiSparseConnector",
-                         "on_offload": "MultiConnector"}[arm]
+                         "on_step": "HiSparseConnector", "on_offload": "MultiConnector"}[arm]
     assert vc.cache_config.kv_cache_memory_bytes == kw["kv_cache_memory_bytes"]
 
 

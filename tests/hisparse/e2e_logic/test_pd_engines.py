@@ -18,7 +18,7 @@ import run_e2e as e2e
 import schedule_replay as replay
 import simulate_pd as sim
 
-import vllm.v1.hisparse.coordinator as coordinator_module
+import vllm.v1.hisparse.pd_imports as pd_imports_module
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     align_to_block_size,
 )
@@ -202,7 +202,7 @@ def given_up(tmp_path, monkeypatch) -> dict:
     room and, with a bound of 1 wait, gives its import up (4.13
     "recompute"): it computes its prompt, although its files exist."""
     monkeypatch.setattr(wl, "PD_CALLS", ((6000, 6004, 6008, 6012),))
-    monkeypatch.setattr(coordinator_module, "MAX_IMPORT_WAITS", 1)
+    monkeypatch.setattr(pd_imports_module, "MAX_IMPORT_WAITS", 1)
     got = sim.record(tmp_path, "pd_imports")
     assert got["stats"]["import_fallbacks"] == 1 and len(got["jobs"]) == 3
     return got

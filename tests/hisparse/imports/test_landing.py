@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-import vllm.v1.hisparse.coordinator as coordinator_module
+import vllm.v1.hisparse.pd_imports as pd_imports_module
 from tests.hisparse.imports.sim_import import build_rig, write_prefill
 from tests.hisparse.scheduler.harness import (
     B,
@@ -26,7 +26,6 @@ from tests.hisparse.scheduler.harness import (
 )
 from tests.hisparse.scheduler.helpers import prompt
 from tests.hisparse.scheduler.invariants import check_drained, check_invariants
-from vllm.v1.hisparse.coordinator import ImportLanding, ImportPlan
 from vllm.v1.hisparse.metrics import (
     IMPORT_DEVICE_PAGES,
     IMPORT_FALLBACKS,
@@ -34,6 +33,7 @@ from vllm.v1.hisparse.metrics import (
     IMPORT_WAITS,
     SchedulerMetrics,
 )
+from vllm.v1.hisparse.pd_imports import ImportLanding, ImportPlan
 
 PROMPT = 700  # T = align(699) = 640 tokens: 10 imported pages, P_last = 9
 T_PAGES = 10
@@ -166,6 +166,7 @@ def test_a_retry_keeps_the_landing_it_chose(tmp_path):
     lands on the device as first chosen, without any preemption."""
     rig = build_rig(tmp_path, num_gpu_blocks=100, long_prefill_token_threshold=128)
     s, w, h = rig.scheduler, rig.worker, rig.hisparse
+    fits = h.imports._landing_fits
     s.add_request(make_request("b", prompt(2500, seed=2), 1))
     run_step(s, w)
     p = prompt(PROMPT, seed=1)
@@ -174,13 +175,13 @@ def test_a_retry_keeps_the_landing_it_chose(tmp_path):
     seen = {"first": None, "only_other_fits": False}
 
     def watch(i, so):
-        plan = h._import_plans.get("a")
+        plan = h.imports._plans.get("a")
         if plan is None:
             return
         seen["first"] = seen["first"] or plan.landing
         other = ImportPlan(ImportLanding.HOST, plan.first_page, plan.end_page)
         request = s.requests["a"]
-        if h._landing_fits(request, other) and not h._landing_fits(request, plan):
+        if fits(request, other) and not fits(request, plan):
             seen["only_other_fits"] = True
 
     run(rig, on_step=watch)
@@ -193,7 +194,7 @@ def test_a_retry_keeps_the_landing_it_chose(tmp_path):
 def test_bounded_waits_fall_back_to_recomputation(tmp_path, monkeypatch):
     """R30's bound for imports: after MAX_IMPORT_WAITS attempts the request
     asks for 0 external tokens and computes its prompt itself."""
-    monkeypatch.setattr(coordinator_module, "MAX_IMPORT_WAITS", 2)
+    monkeypatch.setattr(pd_imports_module, "MAX_IMPORT_WAITS", 2)
     rig = build_rig(tmp_path, num_gpu_blocks=50, long_prefill_token_threshold=128)
     s, w = rig.scheduler, rig.worker
     s.add_request(make_request("b", prompt(900, seed=2), 1))

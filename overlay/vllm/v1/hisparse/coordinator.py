@@ -37,7 +37,6 @@ only the requests whose resident table changed (``_dirty``). Loops run over
 pages, never over tokens.
 """
 
-import enum
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,12 +49,9 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
-from vllm.v1.hisparse.constants import (
-    ACTIVE_TAIL_PAGES,
-    MAX_IMPORT_WAITS,
-    MAX_PUBLICATION_WAITS,
-)
+from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES, MAX_PUBLICATION_WAITS
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
+from vllm.v1.hisparse.pd_imports import ImportPlan, ImportTracker
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
@@ -76,37 +72,6 @@ def durable_tokens(request: Request) -> int:
     the last sampled one (never computed), and no more than it computed (an
     abort mid-prefill). R31 keeps the spills of their full pages."""
     return max(0, min(request.num_computed_tokens, request.num_tokens - 1))
-
-
-class ImportLanding(enum.Enum):
-    """Where a P/D import's pages land (spec 4.13 step 1), or RECOMPUTE: the
-    import was given up and the request computes its prompt itself."""
-
-    DEVICE = "device"
-    HOST = "host"
-    RECOMPUTE = "recompute"
-
-
-@dataclass(eq=False)
-class ImportPlan:
-    """A P/D import of pages [first_page, end_page) and its landing, chosen
-    once at admission and kept across the scheduler's retries (4.13)."""
-
-    landing: ImportLanding
-    first_page: int
-    end_page: int
-
-    @property
-    def pages(self) -> range:
-        return range(self.first_page, self.end_page)
-
-    @property
-    def landed_pages(self) -> range:
-        """Pages that get a resident block at admission: every page on the
-        device, only the last one (P_last, restored later) on the host."""
-        if self.landing is ImportLanding.DEVICE:
-            return self.pages
-        return range(self.end_page - 1, self.end_page)
 
 
 @dataclass(eq=False)
@@ -151,7 +116,7 @@ class RequestResidency:
     set by the KV-cache coordinator after a full pass; 0 when unknown or
     while a hot region is due."""
     importing: ImportPlan | None = None
-    """A P/D import in flight (``record_pending_import``): its pages are
+    """A P/D import in flight (``ImportTracker.begin_import``): its pages are
     neither valid nor read until the import completes (INV-30)."""
 
     def unsettle(self) -> None:
@@ -306,15 +271,8 @@ class HiSparseCoordinator:
         # request id -> the attempts it has waited so far
         self._publishing: dict[object, int] = {}
         self._publication_waits: dict[str, int] = {}
-        # P/D imports (4.13): request id -> the landing chosen at its first
-        # admissible attempt (until admitted), attempts waited so far, and
-        # requests whose import was given up (they ask for 0 tokens).
-        self._import_plans: dict[str, ImportPlan] = {}
-        self._import_waits: dict[str, int] = {}
-        self._import_given_up: set[str] = set()
-        self.import_gpu_blocks_per_page = 1
-        """GPU blocks a page costs outside the resident and hot groups (the
-        indexer and any other group); the importing connector sets it."""
+        self.imports = ImportTracker(self)
+        """P/D imports (4.13): the importing connector drives their lifecycle."""
         self.stats = HiSparseSchedulerStats()
 
     def bind_managers(
@@ -437,7 +395,7 @@ class HiSparseCoordinator:
         return st is not None and st.loading
 
     def external_block_hashes(self, request_id: str, first: int, last: int) -> list:
-        if request_id in self._import_plans:
+        if self.imports.has_plan(request_id):
             # A P/D import: no page has a host copy yet. The source manager
             # takes none, and its allocation gives every imported page a
             # fresh host block (INV-6), which the importer fills (4.13).
@@ -504,186 +462,6 @@ class HiSparseCoordinator:
         st.request = request
         st.publication = num_tokens
         self._publish(st)
-
-    # ------------------------------------------------- P/D imports (4.13)
-
-    def import_landing(
-        self, request: Request, first_token: int, end_token: int
-    ) -> ImportLanding | None:
-        """Where an import of tokens [first_token, end_token) lands (4.13
-        step 1); None: not admissible now, the request waits a step.
-
-        The landing is chosen at the first attempt where one fits and kept
-        on every retry (a retry re-checks only that it still fits). DEVICE
-        when the whole imported context fits in resident pages with the
-        transition watermark left free (so a landing never itself turns the
-        running requests hot); HOST when its host blocks and the fixed GPU
-        footprint fit. Neither: wait; after MAX_IMPORT_WAITS attempts the
-        import is given up (RECOMPUTE, for good). Never preempts (INV-30).
-        Both tokens are block-aligned."""
-        req_id = request.request_id
-        if req_id in self._import_given_up:
-            return ImportLanding.RECOMPUTE
-        b = self.block_size
-        plan = self._import_plans.get(req_id)
-        first, end = first_token // b, end_token // b
-        if plan is None:
-            plan = self._choose_landing(request, first, end)
-        else:  # the host prefix may have grown while it waited
-            plan.first_page, plan.end_page = first, end
-            if not self._landing_fits(request, plan):
-                plan = None
-        if plan is not None:
-            self._import_plans[req_id] = plan
-            # It loads asynchronously: no hot region until the load ends (R24).
-            self.expect_external(request, load_async=True)
-            return plan.landing
-        self.no_external(req_id)
-        waited = self._import_waits.get(req_id, 0)
-        if waited >= MAX_IMPORT_WAITS:
-            self.give_up_import(req_id)
-            return ImportLanding.RECOMPUTE
-        self._import_waits[req_id] = waited + 1
-        self.stats.import_waits += 1
-        return None
-
-    def _choose_landing(
-        self, request: Request, first: int, end: int
-    ) -> ImportPlan | None:
-        for landing in (ImportLanding.DEVICE, ImportLanding.HOST):
-            plan = ImportPlan(landing, first, end)
-            if self._landing_fits(request, plan):
-                return plan
-        return None
-
-    def _landing_fits(self, request: Request, plan: ImportPlan) -> bool:
-        """The admission computation of 4.15 for an imported prompt: host
-        blocks for every page from the import on plus the tail block; GPU
-        blocks for the indexer (and other groups) of those pages, the hot
-        region (a request with history starts zero-resident) and the
-        resident pages: the imported ones (DEVICE) or only P_last (HOST),
-        plus the pages still to compute."""
-        pages = cdiv(request.num_tokens, self.block_size) - plan.first_page
-        new_pages = pages - len(plan.pages)
-        if self.host_pool.get_num_free_blocks() < pages + 1:
-            return False
-        resident = (len(plan.landed_pages) + new_pages) * len(self.residents)
-        gpu = pages * self.import_gpu_blocks_per_page + self.hot_blocks_per_request
-        free = self.gpu_pool.get_num_free_blocks()
-        if plan.landing is ImportLanding.DEVICE:
-            free -= self.transition_watermark
-        return gpu + resident <= free
-
-    def give_up_import(self, request_id: str) -> None:
-        """The request computes its prompt itself from now on."""
-        self._import_plans.pop(request_id, None)
-        self._import_waits.pop(request_id, None)
-        self._import_given_up.add(request_id)
-        self.stats.import_fallbacks += 1
-
-    def forget_import(self, request_id: str) -> None:
-        """The attempt imports nothing (or the request left): drop its
-        choice and wait count (a preempted request chooses afresh)."""
-        self._import_plans.pop(request_id, None)
-        self._import_waits.pop(request_id, None)
-        self._import_given_up.discard(request_id)
-
-    def begin_import(self, request: Request) -> ImportPlan:
-        """The scheduler allocated the import's blocks (4.13 steps 1-2).
-
-        The managers gave every imported page a fresh host block (source)
-        and indexer block, and a null resident entry (a host-only page).
-        The landed pages now get resident blocks: the admission check of
-        ``import_landing`` counted them. The pages are marked importing; the
-        request runs no forward until the load completes (it loads
-        asynchronously, like an offloaded hit: no hot region yet, R24)."""
-        req_id = request.request_id
-        plan = self._import_plans.pop(req_id)
-        self._import_waits.pop(req_id, None)
-        st = self._state(req_id)
-        st.request = request
-        st.loading = True
-        landed = plan.landed_pages
-        g = len(self.residents)
-        blocks = self.gpu_pool.get_new_blocks(len(landed) * g)
-        for i, page in enumerate(landed):
-            for j, m in enumerate(self.residents):
-                m.adopt_page(req_id, page, blocks[i * g + j])
-        if plan.landing is ImportLanding.DEVICE and plan.first_page == 0:
-            # Every page of its context is resident: not zero-resident,
-            # so it is not hot-required merely for having history (1.3).
-            st.hot_required = False
-        self.record_pending_import(req_id, plan)
-        return plan
-
-    def record_pending_import(self, request_id: str, plan: ImportPlan) -> None:
-        """Pages [first, end) are importing: not valid, never read, until
-        ``complete_import`` (INV-30)."""
-        st = self._state(request_id)
-        st.importing = plan
-        st.unsettle()
-
-    def complete_import(self, request_id: str) -> None:
-        """The load finished (4.13 step 3): every imported page is valid
-        (the importer wrote its host rows in both landings; the request's
-        first forward comes later). Device-landed pages are clean and
-        pinned; a host landing plans exactly one restore, of P_last, even
-        when full (INV-20: both tail pages resident from the first decode
-        step). Called once per import, before the request is scheduled."""
-        st = self.states.get(request_id)
-        plan = st.importing if st is not None else None
-        if plan is None:
-            return
-        st.importing = None
-        st.valid.update(plan.pages)
-        while st.ready_prefix in st.valid:
-            st.ready_prefix += 1
-        st.next_plan = max(st.next_plan, plan.end_page)
-        n = len(plan.pages)
-        if plan.landing is ImportLanding.DEVICE:
-            st.pinned_clean.update(plan.pages)
-            self.stats.import_device_pages += n
-        else:
-            p_last = plan.end_page - 1
-            blocks = tuple(t[p_last] for t in self._tables(request_id))
-            host = self._host_table(request_id)[p_last]
-            self._plan_transfer(st, p_last, host, blocks, restore=True)
-            self.stats.import_host_pages += n
-        st.unsettle()
-
-    def fail_import(self, request_id: str) -> int:
-        """The load failed (4.13 step 5): the importing marks drop, no page
-        becomes valid, and the request computes the pages itself. A host
-        landing's null entries get resident blocks for that computation (the
-        forward writes resident pages); returns the tokens to rewind to."""
-        st = self.states.get(request_id)
-        plan = st.importing if st is not None else None
-        if plan is None:
-            return 0
-        st.importing = None
-        missing = [
-            p for p in plan.pages
-            if self.residents and self._tables(request_id)[0][p].is_null
-        ]
-        g = len(self.residents)
-        if len(missing) * g > self.gpu_pool.get_num_free_blocks():
-            raise RuntimeError(
-                f"HiSparse: the P/D import of {request_id} failed and the GPU "
-                f"pool cannot back its recomputation ({len(missing) * g} blocks "
-                "for its host-landed pages); see docs/pd-imports.md."
-            )
-        blocks = self.gpu_pool.get_new_blocks(len(missing) * g)
-        for i, page in enumerate(missing):
-            for j, m in enumerate(self.residents):
-                m.adopt_page(request_id, page, blocks[i * g + j])
-        self._import_given_up.add(request_id)  # a retry asks for 0 tokens
-        self.stats.import_fallbacks += 1
-        st.unsettle()
-        return plan.first_page * self.block_size
-
-    def is_importing(self, request_id: str) -> bool:
-        st = self.states.get(request_id)
-        return st is not None and st.importing is not None
 
     # ----------------------------------------------------- per-step driver
 
@@ -752,6 +530,14 @@ class HiSparseCoordinator:
         self.pending_spills[tid] = spill
         self._spills_to_send.append(spill)
         self.stats.spills_planned += 1
+
+    def plan_restore(self, st: RequestResidency, page: int) -> None:
+        """Plan a host -> resident copy of ``page`` (a host-landed import's
+        P_last, 4.13 step 4); ``start_step`` runs it before the request's
+        first forward."""
+        blocks = tuple(t[page] for t in self._tables(st.request_id))
+        host = self._host_table(st.request_id)[page]
+        self._plan_transfer(st, page, host, blocks, restore=True)
 
     def _update_residency(
         self, st: RequestResidency, tables: list[list[KVCacheBlock]]
@@ -1119,7 +905,7 @@ class HiSparseCoordinator:
         publication; a preempted one drops its publication (INV-19).
         """
         self._publication_waits.pop(request_id, None)  # aborted while waiting
-        self.forget_import(request_id)
+        self.imports.forget_import(request_id)
         st = self.states.pop(request_id, None)
         if st is None:
             return

@@ -57,8 +57,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
 )
 from vllm.logger import init_logger
 from vllm.v1.hisparse.constants import INDEXER_CACHE_SUFFIX, MLA_ATTN_SUFFIX
-from vllm.v1.hisparse.coordinator import ImportLanding
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
+from vllm.v1.hisparse.pd_imports import ImportLanding
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -306,7 +306,7 @@ class HiSparseImportingConnector(ExampleConnector, SupportsHMA):
         self._hisparse = residency_of(gpu_block_pool, NOT_A_HISPARSE_LAYOUT)
         # Every GPU group but the resident and hot ones takes a block per
         # page (the indexer, any other group): the landing's footprint.
-        self._hisparse.import_gpu_blocks_per_page = 1 + len(
+        self._hisparse.imports.gpu_blocks_per_page = 1 + len(
             self._layout.other_group_ids
         )
 
@@ -323,10 +323,11 @@ class HiSparseImportingConnector(ExampleConnector, SupportsHMA):
         """Tokens to import beyond the local (host prefix) hit, loaded
         asynchronously; None while the import is not admissible (INV-30)."""
         end = self._importable_tokens(request)
+        imports = self.hisparse.imports
         if end <= num_computed_tokens:
-            self.hisparse.forget_import(request.request_id)
+            imports.forget_import(request.request_id)
             return 0, False
-        landing = self.hisparse.import_landing(request, num_computed_tokens, end)
+        landing = imports.import_landing(request, num_computed_tokens, end)
         if landing is None:
             return None, False
         if landing is ImportLanding.RECOMPUTE:
@@ -365,7 +366,7 @@ class HiSparseImportingConnector(ExampleConnector, SupportsHMA):
     ) -> None:
         if num_external_tokens <= 0:
             return
-        plan = self.hisparse.begin_import(request)
+        plan = self.hisparse.imports.begin_import(request)
         req_id = request.request_id
         end = self._importable.pop(req_id)
         first, last = plan.first_page, plan.end_page
@@ -408,13 +409,13 @@ class HiSparseImportingConnector(ExampleConnector, SupportsHMA):
             if request is None or request.is_finished():
                 continue  # not ours, or aborted while loading (freed next)
             if req_id in failed:
-                request.num_computed_tokens = self.hisparse.fail_import(req_id)
+                request.num_computed_tokens = self.hisparse.imports.fail_import(req_id)
                 if request.num_computed_tokens == 0:
                     # The retry must not look the prefix cache up again: the
                     # request already holds every block of its prompt.
                     request.skip_reading_prefix_cache = True
             else:
-                self.hisparse.complete_import(req_id)
+                self.hisparse.imports.complete_import(req_id)
 
     def request_finished(
         self, request: "Request", block_ids: list[int]

@@ -633,11 +633,6 @@ def engine_env(spec: dict, plan: list[str]) -> dict[str, str]:
         env[FP8_SEPARATE_PREFILL_ENV] = "1"
     if spec["hisparse"] is not None and spec.get("audit"):
         env[DEBUG_ENV] = "1"
-    if spec["hisparse"] is not None and spec.get("spec"):
-        # MTP is served on opt-in until this gate has passed (docs/mtp.md).
-        from vllm.v1.hisparse.config_checks import MTP_ENV
-
-        env[MTP_ENV] = "1"
     if spec["hisparse"] is not None and "fault_probe" in plan:
         env[FAULTS_ENV] = "1"
     return env

@@ -110,9 +110,9 @@ def test_hybrid_kv_cache_manager_required():
 
 
 def test_speculation_mtp_only(monkeypatch):
-    """6.3 #15: proposers other than MTP are refused; MTP needs the opt-in
-    until its e2e gate passes (docs/mtp.md), and then the padded drafter
-    batch without parallel drafting (docs/mtp.md 3.1)."""
+    """6.3 #15: proposers other than MTP are refused; MTP is served (its
+    e2e gate passed: results/e2e runs 37-38) with the padded drafter batch
+    and without parallel drafting (docs/mtp.md 3.1), with no opt-in."""
     with raises(
         "HiSparse supports speculative decoding with MTP only; "
         "speculative_config.method=eagle3. Use method 'mtp' (or no speculation), "
@@ -120,11 +120,9 @@ def test_speculation_mtp_only(monkeypatch):
     ):
         cc.check_speculative_method("eagle3")
     cc.check_speculative_method(None)
-    monkeypatch.delenv(cc.MTP_ENV, raising=False)
-    with pytest.raises(HiSparseConfigError, match=f"yet .*{cc.MTP_ENV}=1"):
-        cc.check_speculative_method("mtp")
-    monkeypatch.setenv(cc.MTP_ENV, "1")
+    monkeypatch.delenv("VLLM_HISPARSE_EXPERIMENTAL_MTP", raising=False)
     cc.check_speculative_method("mtp")
+    assert not hasattr(cc, "MTP_ENV")
     with pytest.raises(HiSparseConfigError, match="disable_padded_drafter_batch=True"):
         cc.check_speculative_method("mtp", disable_padded_drafter_batch=True)
     with pytest.raises(HiSparseConfigError, match="parallel_drafting=True"):

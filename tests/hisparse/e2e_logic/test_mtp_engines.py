@@ -97,10 +97,8 @@ def test_the_audit_engine_is_mtp3_with_the_mirror_audit():
     assert audit.pop("audit") and not SPECS["on_mtp3"]["audit"]
     assert audit == {k: v for k, v in SPECS["on_mtp3"].items() if k != "audit"}
     assert e2e.REFERENCE["on_mtp3_audit"] == "off_mtp3"
-    from vllm.v1.hisparse.config_checks import MTP_ENV
-
     assert e2e.engine_env(SPECS["on_mtp3_audit"], e2e.ON_PLAN["on_mtp3_audit"]) == {
-        e2e.DEBUG_ENV: "1", MTP_ENV: "1"}
+        e2e.DEBUG_ENV: "1"}
     assert "E2E-5" in e2e.spec_ids("on_mtp3_audit", "host_prefix")
 
 

@@ -207,10 +207,8 @@ def test_engine_env_is_scoped_to_what_the_engine_needs():
         e2e.DEBUG_ENV: "1"}
     assert e2e.engine_env(SPECS["on_c8k"], e2e.ON_PLAN["on_c8k"]) == {}
     assert e2e.engine_env(SPECS["off_fdo"], ["fault_probe"]) == {}
-    # E2E-5: the HiSparse arms of MTP opt in (docs/mtp.md), the off arms not
-    from vllm.v1.hisparse.config_checks import MTP_ENV
-
-    assert e2e.engine_env(SPECS["on_mtp1"], ["single6k"]) == {MTP_ENV: "1"}
+    # E2E-5: MTP needs no opt-in since its gate passed (docs/mtp.md)
+    assert e2e.engine_env(SPECS["on_mtp1"], ["single6k"]) == {}
     assert e2e.engine_env(SPECS["off_mtp3_fdo"], ["single6k"]) == {}
     # pressure engines run without the lockstep audit
     audits = ("on_c2k_audit", "on_mtp3_audit")

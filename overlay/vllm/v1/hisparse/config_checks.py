@@ -166,19 +166,14 @@ def check_hybrid_kv_cache_manager(disabled: bool) -> None:
         )
 
 
-MTP_ENV = "VLLM_HISPARSE_EXPERIMENTAL_MTP"
-"""Set to 1 to serve MTP before its e2e gate has passed on a GPU (docs/mtp.md)."""
-
-
 def check_speculative_method(
     method: str | None,
     *,
     disable_padded_drafter_batch: bool = False,
     parallel_drafting: bool = False,
 ) -> None:
-    """Spec 6.3 #15: no speculation, or MTP. MTP needs the opt-in of
-    ``MTP_ENV`` until its e2e gate passes, and the padded drafter batch
-    without parallel drafting: the drafter's first pass must write the
+    """Spec 6.3 #15: no speculation, or MTP with the padded drafter batch
+    and without parallel drafting: the drafter's first pass must write the
     target's tokens, which the step's mirror and staging plans were made
     for (docs/mtp.md 3.1)."""
     if method is None:
@@ -188,13 +183,6 @@ def check_speculative_method(
             f"HiSparse supports speculative decoding with MTP only; "
             f"speculative_config.method={method}. Use method 'mtp' (or no "
             "speculation), or remove attention_config.hisparse_config."
-        )
-    if os.environ.get(MTP_ENV) != "1":
-        raise HiSparseConfigError(
-            "HiSparse does not run speculative decoding yet "
-            "(speculative_config.method=mtp): the MTP path has not passed its "
-            f"end-to-end gate (docs/mtp.md). Set {MTP_ENV}=1 to try it, remove "
-            "--speculative-config, or remove attention_config.hisparse_config."
         )
     for name, value in (
         ("disable_padded_drafter_batch", disable_padded_drafter_batch),

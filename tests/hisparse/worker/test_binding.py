@@ -96,21 +96,30 @@ def test_runner_view_must_alias_the_resident_view():
     build_layer_views(config, slab, host_pool(config), {name: good})
 
 
-class _Table:
-    def __init__(self, rows: int, width: int):
-        self.block_table = SimpleNamespace(np=np.zeros((rows, width), dtype=np.int32))
+def _block_tables(groups: int, rows: int, width: int) -> dict:
+    """vLLM's own per-group BlockTable (CPU buffers and their "device" copy)."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    return {g: BlockTable(B, rows, width, 512, pin_memory=False,
+                          device=torch.device("cpu"), kernel_block_size=B,
+                          cp_kv_cache_interleave_size=1)
+            for g in range(groups)}
 
 
 def test_residency_updates_rewrite_request_state_and_batch_rows():
     """W0 (spec 4.1, 4.6 step 4): an update replaces the resident entries
     from its start page in every resident group, in the request's cached
-    block ids and in its persistent-batch row; other rows are untouched."""
+    block ids and in its persistent-batch row; other rows are untouched.
+    The rows are written directly, so the tables are marked for the next
+    commit, which copies them although vLLM changed nothing this step."""
     res_ids = [2, 3]
     runtime = SimpleNamespace(resident_group_ids=res_ids, layers={})
-    tables = {g: _Table(4, 8) for g in range(6)}
+    tables = _block_tables(6, 4, 8)
     for g in res_ids:
-        tables[g].block_table.np[1, :4] = [10 + g, 20 + g, 30 + g, 40 + g]
-        tables[g].block_table.np[0, :2] = [99, 98]
+        tables[g].add_row([99, 98], 0)
+        tables[g].add_row([10 + g, 20 + g, 30 + g, 40 + g], 1)
+    for t in tables.values():
+        t.commit_block_table(2)
     state = SimpleNamespace(block_ids=[[], [], [12, 22, 32, 42], [13, 23, 33, 43]])
     runner = SimpleNamespace(
         hisparse_runtime=runtime,
@@ -126,9 +135,12 @@ def test_residency_updates_rewrite_request_state_and_batch_rows():
     apply_residency_updates(runner, SimpleNamespace(kv_connector_metadata=meta))
     assert state.block_ids[2] == [12, 0, 31, 0]
     assert state.block_ids[3] == [13, 0, 41, 0]
-    assert tables[2].block_table.np[1, :4].tolist() == [12, 0, 31, 0]
-    assert tables[3].block_table.np[1, :4].tolist() == [13, 0, 41, 0]
-    assert tables[2].block_table.np[0, :2].tolist() == [99, 98]
+    for t in tables.values():
+        t.commit_block_table(2)
+    for g, want in ((2, [12, 0, 31, 0]), (3, [13, 0, 41, 0])):
+        for table in (tables[g].block_table.np, tables[g].block_table.gpu.numpy()):
+            assert table[1, :4].tolist() == want
+            assert table[0, :2].tolist() == [99, 98]
 
 
 def test_a_residency_update_out_of_step_with_the_table_is_an_error():

@@ -447,7 +447,9 @@ def apply_residency_updates(runner: "GPUModelRunner", scheduler_output: Any) -> 
                     )
                 table[start:end] = ids.tolist()
             if row is not None:
-                batch.block_table[gid].block_table.np[row, start:end] = ids
+                bt = batch.block_table[gid]
+                bt.block_table.np[row, start:end] = ids
+                bt.mark_dirty()  # a direct write: the next commit copies
 
 
 __all__ = [

@@ -51,6 +51,7 @@ from tests.hisparse.scheduler.harness import (  # noqa: E402
     hisparse_kv_cache_config,
     make_request,
     make_scheduler,
+    run_until_idle,
 )
 
 HOST_BLOCKS = 12000  # about host_pool_gib 2 of the 4-layer model
@@ -94,11 +95,7 @@ def drive(driver, tap, s, calls, arm: str, before_call=None, limit: int = 50000)
             r = make_request(f"{key}-{arm}", prompt, n)
             tap.name(r.request_id, key)
             s.add_request(r)
-        steps = 0
-        while driver.busy():
-            driver.step()
-            steps += 1
-            assert steps < limit, "did not drain"
+        run_until_idle(driver, limit)
 
 
 def record(tmp: Path, scenario: str = "pd_imports", produce=None) -> dict:

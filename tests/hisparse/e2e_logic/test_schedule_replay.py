@@ -23,6 +23,7 @@ from tests.hisparse.scheduler.harness import (
     make_request,
     make_scheduler,
     run_step,
+    run_until_idle,
 )
 
 
@@ -56,11 +57,7 @@ def run(s, driver, tap, calls, arm: str, plan=None) -> list:
             req = make_request(f"{c}/{key}-{arm}", prompt, max_tokens)
             tap.name(req.request_id, f"{c}/{key}")
             s.add_request(req)
-        steps = 0
-        while driver.busy():
-            driver.step()
-            steps += 1
-            assert steps < 5000
+        run_until_idle(driver)
     tap.finish()
     return tap.steps
 
@@ -232,10 +229,7 @@ def test_a_streamed_replay_follows_a_schedule_with_client_aborts(arms, async_sch
         steps += 1
         assert steps < 5000
     rtap.streaming = False
-    while bd.busy():
-        bd.step()
-        steps += 1
-        assert steps < 5000
+    run_until_idle(bd)
     assert rtap.finish() is None
     assert rtap.steps == recorded
     assert "q4-rep" not in b.requests and not b.requests
@@ -306,13 +300,11 @@ def test_an_admission_after_an_idle_gap_waits_for_the_last_output(arms):
     parent = make_request("p-on", parent_prompt, 64)  # KV of 256 tokens: 4 full pages
     tap.name(parent.request_id, "p")
     s.add_request(parent)
-    while d.busy():
-        d.step()
+    run_until_idle(d)
     follow = make_request("f-on", follow_prompt, 4)
     tap.name(follow.request_id, "f")
     s.add_request(follow)
-    while d.busy():
-        d.step()
+    run_until_idle(d)
     recorded = list(tap.steps)
     assert [c for step in recorded for k, _, c in step if k == "f"][0] == 256
 
@@ -323,10 +315,6 @@ def test_an_admission_after_an_idle_gap_waits_for_the_last_output(arms):
         r = make_request(f"{key}-rep", prompt, n)  # both held from the start
         rtap.name(r.request_id, key)
         b.add_request(r)
-    steps = 0
-    while bd.busy():
-        bd.step()
-        steps += 1
-        assert steps < 5000
+    run_until_idle(bd)
     assert rtap.finish() is None
     assert rtap.steps == recorded

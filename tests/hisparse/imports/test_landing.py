@@ -140,17 +140,25 @@ def test_a_load_reported_before_its_rows_are_written_is_caught(tmp_path):
         run(rig)
 
 
+def behind_a_running_prefill(tmp_path, num_gpu_blocks: int, running: int):
+    """A rig whose pool a running prefill of ``running`` tokens holds when
+    request "a" (PROMPT tokens, its producer's files written) arrives."""
+    rig = build_rig(tmp_path, num_gpu_blocks=num_gpu_blocks,
+                    long_prefill_token_threshold=128)
+    rig.scheduler.add_request(make_request("b", prompt(running, seed=2), 1))
+    run_step(rig.scheduler, rig.worker)
+    p = prompt(PROMPT, seed=1)
+    write_prefill(rig, p)
+    rig.scheduler.add_request(make_request("a", p, 8))
+    return rig
+
+
 def test_not_admissible_waits_without_preempting(tmp_path):
     """4.13 "not admissible" and INV-30 clause 3: while a running prefill
     holds the pool, the import answers None (the scheduler retries), the
     running request is never preempted, and the import lands afterwards."""
-    rig = build_rig(tmp_path, num_gpu_blocks=50, long_prefill_token_threshold=128)
-    s, w = rig.scheduler, rig.worker
-    s.add_request(make_request("b", prompt(900, seed=2), 1))
-    run_step(s, w)
-    p = prompt(PROMPT, seed=1)
-    write_prefill(rig, p)
-    s.add_request(make_request("a", p, 8))
+    rig = behind_a_running_prefill(tmp_path, 50, 900)
+    s = rig.scheduler
     run(rig)
     stats = rig.hisparse.stats
     assert stats.import_waits >= 3 and stats.import_fallbacks == 0
@@ -164,14 +172,9 @@ def test_a_retry_keeps_the_landing_it_chose(tmp_path):
     its allocation then waited behind a long prefill's reservation, the
     pool shrank so that only HOST would have fit; it waits (counted) and
     lands on the device as first chosen, without any preemption."""
-    rig = build_rig(tmp_path, num_gpu_blocks=100, long_prefill_token_threshold=128)
-    s, w, h = rig.scheduler, rig.worker, rig.hisparse
+    rig = behind_a_running_prefill(tmp_path, 100, 2500)
+    s, h = rig.scheduler, rig.hisparse
     fits = h.imports._landing_fits
-    s.add_request(make_request("b", prompt(2500, seed=2), 1))
-    run_step(s, w)
-    p = prompt(PROMPT, seed=1)
-    write_prefill(rig, p)
-    s.add_request(make_request("a", p, 8))
     seen = {"first": None, "only_other_fits": False}
 
     def watch(i, so):
@@ -195,18 +198,12 @@ def test_bounded_waits_fall_back_to_recomputation(tmp_path, monkeypatch):
     """R30's bound for imports: after MAX_IMPORT_WAITS attempts the request
     asks for 0 external tokens and computes its prompt itself."""
     monkeypatch.setattr(pd_imports_module, "MAX_IMPORT_WAITS", 2)
-    rig = build_rig(tmp_path, num_gpu_blocks=50, long_prefill_token_threshold=128)
-    s, w = rig.scheduler, rig.worker
-    s.add_request(make_request("b", prompt(900, seed=2), 1))
-    run_step(s, w)
-    p = prompt(PROMPT, seed=1)
-    write_prefill(rig, p)
-    s.add_request(make_request("a", p, 8))
+    rig = behind_a_running_prefill(tmp_path, 50, 900)
     run(rig)
     assert rig.importer.loads == []
     assert rig.hisparse.stats.import_fallbacks == 1
     assert rig.hisparse.stats.import_waits == 2
-    check_drained(s)
+    check_drained(rig.scheduler)
 
 
 @pytest.mark.parametrize("damage", ["short", "missing"])

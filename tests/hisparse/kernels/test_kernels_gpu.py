@@ -216,21 +216,59 @@ def test_extension_checks_arguments_itself(gpu_kernels):
 # CUDA graphs (K-12, INV-32)
 # ---------------------------------------------------------------------------
 
-def test_k12_graph_capture_and_replay(gpu_kernels):
-    """K-12, INV-32: resolve + leader gather + follower replay captured once
-    and replayed over new top-k (copied into the static input) give the same
-    bytes, rows, plan, state and counters as eager launches."""
+def graph_inputs(seed: int):
+    """Four resolver steps (K-12's shape), pinned host rows for a leader and
+    a follower (its rows differ), and their zeroed hot buffers."""
     fuzz = ResolveFuzzer(FuzzSpec(top_k=2048, hot_size=10240, block_size=64,
                                   max_query_len=4, num_reqs=6,
-                                  groups_full=True, seed=12))
+                                  groups_full=True, seed=seed))
     steps = [fuzz.step(0.7) for _ in range(4)]
     W = 656
     blocks = int(max(s.hot_bt.max() for s in steps[:1])) + 8
     host = random_rows(steps[0].host_rows, W,
-                       torch.Generator().manual_seed(12)).pin_memory()
-    leader = torch.zeros(blocks, 64, W, dtype=torch.uint8, device=CUDA)
-    follower = torch.zeros_like(leader)
+                       torch.Generator().manual_seed(seed)).pin_memory()
     host_f = (host.to(torch.int32) ^ 0x5A).to(torch.uint8).pin_memory()
+    leader = torch.zeros(blocks, 64, W, dtype=torch.uint8, device=CUDA)
+    return steps, host, host_f, leader, torch.zeros_like(leader)
+
+
+def replay_matches_eager(steps, leader, follower, captured, eager, check=None):
+    """``captured(case, lead, foll)`` captured once on step 0 (after a warm-up
+    outside capture) and replayed over the later steps' top-k, copied into
+    its static inputs, beside eager ``eager`` launches: after every replay
+    the same case state (rows, plan, LRU, counters) and hot-buffer bytes.
+    ``check(static_case)`` runs after each replay; returns the static case."""
+    eager_case, static = steps[0].to(CUDA), steps[0].to(CUDA)
+    e_lead, e_foll = leader.clone(), follower.clone()
+    s_lead, s_foll = leader.clone(), follower.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside capture
+        captured(static, s_lead, s_foll)
+    torch.cuda.current_stream().wait_stream(stream)
+    eager(eager_case, e_lead, e_foll)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured(static, s_lead, s_foll)
+    for i, case in enumerate(steps[1:]):
+        static.topk.copy_(case.topk.to(CUDA))
+        eager_case.topk.copy_(case.topk.to(CUDA))
+        graph.replay()
+        eager(eager_case, e_lead, e_foll)
+        torch.cuda.synchronize()
+        assert_same_case(static, eager_case, label=f"replay {i}: ")
+        assert_same_tensor("leader bytes", s_lead, e_lead)
+        assert_same_tensor("follower bytes", s_foll, e_foll)
+        if check is not None:
+            check(static)
+    return static
+
+
+def test_k12_graph_capture_and_replay(gpu_kernels):
+    """K-12, INV-32: resolve + leader gather + follower replay captured once
+    and replayed over new top-k (copied into the static input) give the same
+    bytes, rows, plan, state and counters as eager launches."""
+    steps, host, host_f, leader, follower = graph_inputs(12)
 
     def launch(case, lead, foll):
         run_kernel(gpu_kernels, case)
@@ -239,28 +277,7 @@ def test_k12_graph_capture_and_replay(gpu_kernels):
         gpu_kernels.gather_compact(host_f, foll, case.plan_src,
                                    case.plan_dst, case.plan_count)
 
-    eager = steps[0].to(CUDA)
-    e_lead, e_foll = leader.clone(), follower.clone()
-    static = steps[0].to(CUDA)
-    s_lead, s_foll = leader.clone(), follower.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up outside capture
-        launch(static, s_lead, s_foll)
-    torch.cuda.current_stream().wait_stream(stream)
-    launch(eager, e_lead, e_foll)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(static, s_lead, s_foll)
-    for i, case in enumerate(steps[1:]):
-        static.topk.copy_(case.topk.to(CUDA))
-        eager.topk.copy_(case.topk.to(CUDA))
-        graph.replay()
-        launch(eager, e_lead, e_foll)
-        torch.cuda.synchronize()
-        assert_same_case(static, eager, label=f"replay {i}: ")
-        assert_same_tensor("leader bytes", s_lead, e_lead)
-        assert_same_tensor("follower bytes", s_foll, e_foll)
+    static = replay_matches_eager(steps, leader, follower, launch, launch)
     assert static.stat_values[1] > 0 and static.stat_values[0] > 0
 
 
@@ -662,17 +679,7 @@ def test_k7_graph_capture_and_replay(gpu_kernels):
     follower's ordered gathers captured once and replayed over new top-k
     give the bytes, rows and plan of eager K2 launches (no allocation, no
     sync inside the step: the CUB scratch was sized once)."""
-    fuzz = ResolveFuzzer(FuzzSpec(top_k=2048, hot_size=10240, block_size=64,
-                                  max_query_len=4, num_reqs=6,
-                                  groups_full=True, seed=7))
-    steps = [fuzz.step(0.7) for _ in range(4)]
-    W = 656
-    blocks = int(max(s.hot_bt.max() for s in steps[:1])) + 8
-    host = random_rows(steps[0].host_rows, W,
-                       torch.Generator().manual_seed(7)).pin_memory()
-    host_f = (host.to(torch.int32) ^ 0x5A).to(torch.uint8).pin_memory()
-    leader = torch.zeros(blocks, 64, W, dtype=torch.uint8, device=CUDA)
-    follower = torch.zeros_like(leader)
+    steps, host, host_f, leader, follower = graph_inputs(7)
     cells = steps[0].plan_src.numel()
     bufs = k7_buffers(cells, steps[0].host_rows, gpu_kernels, CUDA)
 
@@ -691,30 +698,12 @@ def test_k7_graph_capture_and_replay(gpu_kernels):
             gpu_kernels.gather_compact(src, view, case.plan_src,
                                        case.plan_dst, case.plan_count)
 
-    eager = steps[0].to(CUDA)
-    e_lead, e_foll = leader.clone(), follower.clone()
-    static = steps[0].to(CUDA)
-    s_lead, s_foll = leader.clone(), follower.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up outside capture
-        ordered(static, s_lead, s_foll)
-    torch.cuda.current_stream().wait_stream(stream)
-    compact(eager, e_lead, e_foll)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ordered(static, s_lead, s_foll)
-    for i, case in enumerate(steps[1:]):
-        static.topk.copy_(case.topk.to(CUDA))
-        eager.topk.copy_(case.topk.to(CUDA))
-        graph.replay()
-        compact(eager, e_lead, e_foll)
-        torch.cuda.synchronize()
-        assert_same_case(static, eager, label=f"replay {i}: ")
-        assert_same_tensor("leader bytes", s_lead, e_lead)
-        assert_same_tensor("follower bytes", s_foll, e_foll)
+    def live_cells_counted(static):
         assert int(bufs["total"][0]) == int(
             static.plan_count.clamp(0, 2048).sum()) > 0
+
+    replay_matches_eager(steps, leader, follower, ordered, compact,
+                         check=live_cells_counted)
 
 
 def test_k7_refuses_a_temp_smaller_than_its_query(gpu_kernels):

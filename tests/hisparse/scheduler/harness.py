@@ -1456,6 +1456,17 @@ class LateDriver:
             or s.has_unfinished_requests() or s.connector.has_pending_push_work()
 
 
+def run_until_idle(driver, limit: int = 5000) -> int:
+    """Step one of the engine loops above until it is idle; returns the
+    steps (more than ``limit`` is a failure: it did not drain)."""
+    steps = 0
+    while driver.busy():
+        driver.step()
+        steps += 1
+        assert steps < limit, "did not drain"
+    return steps
+
+
 def drain(scheduler: Scheduler, worker: SimWorker, max_steps: int = 10_000,
           drafter: Drafter | None = None) -> int:
     """Step until no request is left and no ack is outstanding (INV-15)."""

@@ -91,13 +91,26 @@ class HiSparseGpuBlockPool(UnpinBlockPool):
         return True
 
 
-def residency_of(gpu_block_pool: BlockPool, error: str) -> HiSparseCoordinator:
-    """The residency coordinator behind a scheduler's GPU pool, as the KV
-    connectors receive it through ``bind_gpu_block_pool``."""
-    hisparse = getattr(gpu_block_pool, "hisparse", None)
-    if hisparse is None:
-        raise ValueError(error)
-    return hisparse
+class ResidencyClient:
+    """A scheduler-side KV connector that works on the residency coordinator
+    behind the scheduler's GPU pool (HiSparse's connector, offloader and
+    importer): ``bind_gpu_block_pool`` calls ``bind_residency``."""
+
+    NOT_A_HISPARSE_LAYOUT = "this connector needs the HiSparse KV-cache layout"
+    """The error for a pool without one (each connector says what to set)."""
+    _hisparse: HiSparseCoordinator | None = None
+
+    def bind_residency(self, gpu_block_pool: BlockPool) -> HiSparseCoordinator:
+        hisparse = getattr(gpu_block_pool, "hisparse", None)
+        if hisparse is None:
+            raise ValueError(self.NOT_A_HISPARSE_LAYOUT)
+        self._hisparse = hisparse
+        return hisparse
+
+    @property
+    def hisparse(self) -> HiSparseCoordinator:
+        assert self._hisparse is not None, "bind_gpu_block_pool was not called"
+        return self._hisparse
 
 
 class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):

@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.metrics import (
     HiSparsePromMetrics,
 )
 from vllm.logger import init_logger
+from vllm.v1.hisparse.kv_cache_coordinator import ResidencyClient
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
 from vllm.v1.hisparse.metrics import DeviceCounterSampler, SchedulerMetrics
 
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
     from vllm.v1.hisparse.worker import HiSparseWorker
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -70,8 +70,14 @@ NOT_BOUND = (
 )
 
 
-class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
+class HiSparseConnector(ResidencyClient, KVConnectorBase_V1, SupportsHMA):
     """Both halves of the HiSparse connector."""
+
+    NOT_A_HISPARSE_LAYOUT = (
+        "HiSparseConnector needs the HiSparse KV-cache layout: set "
+        '--attention-config \'{"hisparse_config": {"host_pool_gib": ...}}\' '
+        "on a sparse-MLA model."
+    )
 
     def __init__(
         self,
@@ -80,7 +86,6 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: "KVCacheConfig",
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        self._hisparse: HiSparseCoordinator | None = None
         self._worker: HiSparseWorker | None = None
         self._scheduler_metrics: SchedulerMetrics | None = None
         self._sampler: DeviceCounterSampler | None = None
@@ -90,23 +95,11 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
         """The scheduler hands over its GPU pool; a HiSparse KV-cache
         coordinator's pool carries the residency coordinator."""
-        from vllm.v1.hisparse.kv_cache_coordinator import residency_of
-
-        self._hisparse = residency_of(
-            gpu_block_pool,
-            "HiSparseConnector needs the HiSparse KV-cache layout: set "
-            '--attention-config \'{"hisparse_config": {"host_pool_gib": ...}}\' '
-            "on a sparse-MLA model.",
-        )
+        hisparse = self.bind_residency(gpu_block_pool)
         host_pool = getattr(self._kv_cache_config, "host_pool", None)
         self._scheduler_metrics = SchedulerMetrics(
-            self._hisparse, host_pool.block_stride if host_pool is not None else 0
+            hisparse, host_pool.block_stride if host_pool is not None else 0
         )
-
-    @property
-    def hisparse(self) -> "HiSparseCoordinator":
-        assert self._hisparse is not None, "bind_gpu_block_pool was not called"
-        return self._hisparse
 
     # ----------------------------------------------------- scheduler side
 

@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
 from vllm.logger import init_logger
 from vllm.v1.hisparse.constants import INDEXER_CACHE_SUFFIX, MLA_ATTN_SUFFIX
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
+from vllm.v1.hisparse.kv_cache_coordinator import ResidencyClient
 from vllm.v1.hisparse.pd_imports import ImportLanding
 
 if TYPE_CHECKING:
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -265,7 +265,9 @@ def _fits(job: ImportJob, name: str, rows: torch.Tensor, width: int) -> bool:
 # ------------------------------------------------------------- connector
 
 
-class HiSparseImportingConnector(ExampleConnector, SupportsHMA):
+class HiSparseImportingConnector(ResidencyClient, ExampleConnector, SupportsHMA):
+
+    NOT_A_HISPARSE_LAYOUT = NOT_A_HISPARSE_LAYOUT
     """The pin's ExampleConnector on the consumer side of P/D, over a
     HiSparse layout (see the module docstring). It exports nothing: the
     prefill instance runs HiSparse off (a kv_both role imports only)."""
@@ -286,7 +288,6 @@ class HiSparseImportingConnector(ExampleConnector, SupportsHMA):
             name for name in (*layout.sparse_layers, *layout.indexer_layers)
             if name not in self._draft_layers
         )
-        self._hisparse: HiSparseCoordinator | None = None
         # Scheduler side: T per request (files checked), jobs of this step,
         # requests loading (admitted, not reported done).
         self._importable: dict[str, int] = {}
@@ -301,19 +302,12 @@ class HiSparseImportingConnector(ExampleConnector, SupportsHMA):
     # ----------------------------------------------------------- binding
 
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
-        from vllm.v1.hisparse.kv_cache_coordinator import residency_of
-
-        self._hisparse = residency_of(gpu_block_pool, NOT_A_HISPARSE_LAYOUT)
+        hisparse = self.bind_residency(gpu_block_pool)
         # Every GPU group but the resident and hot ones takes a block per
         # page (the indexer, any other group): the landing's footprint.
-        self._hisparse.imports.gpu_blocks_per_page = 1 + len(
+        hisparse.imports.gpu_blocks_per_page = 1 + len(
             self._layout.other_group_ids
         )
-
-    @property
-    def hisparse(self) -> "HiSparseCoordinator":
-        assert self._hisparse is not None, "bind_gpu_block_pool was not called"
-        return self._hisparse
 
     # ----------------------------------------------------- scheduler side
 

@@ -55,13 +55,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
+from vllm.v1.hisparse.kv_cache_coordinator import ResidencyClient
 from vllm.v1.hisparse.layout import HiSparseLayout
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
     from vllm.v1.request import Request
 
 # The pin's set of GPU block ids (re)allocated in the current step; a
@@ -150,7 +150,9 @@ def scheduler_output_view(
     )
 
 
-class HiSparseOffloadingConnector(OffloadingConnector):
+class HiSparseOffloadingConnector(ResidencyClient, OffloadingConnector):
+
+    NOT_A_HISPARSE_LAYOUT = NOT_A_HISPARSE_LAYOUT
     """OffloadingConnector over the indexer and other groups of a HiSparse
     layout (see the module docstring)."""
 
@@ -170,7 +172,6 @@ class HiSparseOffloadingConnector(OffloadingConnector):
             for g in self._groups.ids
             for name in kv_cache_config.kv_cache_groups[g].layer_names
         )
-        self._hisparse: HiSparseCoordinator | None = None
         super().__init__(
             vllm_config,
             role,
@@ -201,15 +202,8 @@ class HiSparseOffloadingConnector(OffloadingConnector):
     def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
         """The HiSparse GPU pool carries the residency coordinator, which
         knows the host prefix (MultiConnector forwards this to every child)."""
-        from vllm.v1.hisparse.kv_cache_coordinator import residency_of
-
-        self._hisparse = residency_of(gpu_block_pool, NOT_A_HISPARSE_LAYOUT)
+        self.bind_residency(gpu_block_pool)
         super().bind_gpu_block_pool(gpu_block_pool)
-
-    @property
-    def hisparse(self) -> "HiSparseCoordinator":
-        assert self._hisparse is not None, "bind_gpu_block_pool was not called"
-        return self._hisparse
 
     # ----------------------------------------------------- scheduler side
 

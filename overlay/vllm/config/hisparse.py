@@ -25,6 +25,11 @@ MAX_DEVICE_BUFFER_SIZE = 32768
 ORDER_MISSES_MODES = ("row", "step")
 
 
+def order_misses_error(value: Any) -> str:
+    return (f"hisparse_config.order_misses={value!r} must be true, false, "
+            '"row" or "step" (or left out)')
+
+
 @config
 class HiSparseConfig:
     """Configuration for Hybrid HiSparse (host-offloaded sparse-MLA KV)."""
@@ -105,10 +110,7 @@ class HiSparseConfig:
         # Before pydantic's own coercion, which would read 1 or "yes" as true.
         if value is None or isinstance(value, bool) or value in ORDER_MISSES_MODES:
             return value
-        raise ValueError(
-            f"hisparse_config.order_misses={value!r} must be true, false, "
-            '"row" or "step" (or left out)'
-        )
+        raise ValueError(order_misses_error(value))
 
     def default_device_buffer_size(
         self, index_topk: int, max_decode_query_len: int

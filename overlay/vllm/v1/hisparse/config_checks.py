@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from vllm.config.hisparse import ORDER_MISSES_MODES
+from vllm.config.hisparse import ORDER_MISSES_MODES, order_misses_error
 from vllm.logger import init_logger
 from vllm.v1.hisparse.constants import (
     BF16_MLA_ROW_BYTES,
@@ -500,10 +500,7 @@ def order_mode(value: bool | str | None) -> str | None:
         return "row"
     if value in ORDER_MISSES_MODES:
         return value
-    raise HiSparseConfigError(
-        f"hisparse_config.order_misses={value!r} must be true, false, "
-        '"row" or "step" (or left out)'
-    )
+    raise HiSparseConfigError(order_misses_error(value))
 
 
 def resolve_host_pool_gib(vllm_config: "VllmConfig") -> float:

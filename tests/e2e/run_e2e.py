@@ -241,6 +241,9 @@ def engine_specs() -> dict[str, dict]:
         "on_fdo": on(mode="fdo"),
         "off_share": off(model="glm_share"),
         "on_share": on(model="glm_share", offload=True),
+        # Spec 2.10: followers' gathers on the copy stream (captured with a
+        # fork and joins in the FULL decode graphs of the default mode)
+        "on_share_pf": on(model="glm_share", offload=True, prefetch_followers=True),
         "off_dsv32": off(model="dsv32"),
         "on_dsv32": on(model="dsv32", offload=True),
         # Issue 17 item 2: 16 and 8 heads per rank (GLM-5 at TP 4 and 8)
@@ -295,6 +298,7 @@ REFERENCE = {
     "on_lazy": "off_c2k", "on_ordered": "off_c2k",
     "on_hostex": "off_c2k", "on_nopressure": "off_c2k", "on_c8k": "off_c8k",
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
+    "on_share_pf": "off_share",
     "on_tp2": "off_tp2", "on_dsv32": "off_dsv32", "on_h16": "off_h16", "on_h8": "off_h8",
     **{f"on_{t}": f"off_{t}" for t in MTP_TAGS}, "on_mtp3_audit": "off_mtp3",
     "on_pd": "off_pd",
@@ -319,6 +323,7 @@ ON_PLAN = {
     "on_eager": ["single6k"],
     "on_fdo": ["single6k", "concurrent", "fault_probe"],
     "on_share": ["single6k", "host_prefix"],
+    "on_share_pf": ["single6k", "concurrent", "host_prefix", "fault_probe"],
     "on_tp2": ["single6k", "concurrent", "host_prefix"],
     "on_dsv32": ["single6k", "single12k", "concurrent", "host_prefix", "fault_probe"],
     # mixed prefill/decode batches (concurrent, equal_followups) on the
@@ -345,7 +350,8 @@ ENGINE_IDS = {
     "on_c2k_audit": "F1 (mirror audit)", "on_nooff": "without the offloader",
     "on_lazy": "E2E-6", "on_nopressure": "E2E-8", "on_ordered": "P9 (K6 miss order)",
     "on_c8k": "chunk 8192", "on_eager": "E2E-3 (eager)", "on_fdo": "E2E-3",
-    "on_share": "IndexShare", "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
+    "on_share": "IndexShare", "on_share_pf": "IndexShare, 2.10 (followers prefetched)",
+    "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
     "on_h16": "16 heads per rank", "on_h8": "8 heads per rank",
     **{f"on_{t}": f"E2E-5 (MTP {k}{', E2E-3' if m == 'fdo' else ''})"
        for t, (k, m) in MTP_TAGS.items()},

@@ -67,6 +67,13 @@ class HiSparseConfig:
     "step" sorts all the step's misses as one list (K7). None or false is
     off: the GPU measurements that would pick a default are not in yet."""
 
+    prefetch_followers: bool = False
+    """Gather the misses of an index group's followers (layers that reuse
+    their leader's top-k) on a copy stream as soon as the leader has planned
+    them, so they run during the leader's attention (spec 2.10). Off by
+    default until the H200 has measured it; no effect on a model whose every
+    sparse layer has its own indexer."""
+
     @field_validator("host_pool_gib")
     @classmethod
     def _check_host_pool_gib(cls, value: float | None) -> float | None:
@@ -149,6 +156,8 @@ class HiSparseConfig:
         - ``order_misses`` (left out): launches inside the sparse attention
           op that change the order of the same copies (K6, or K7's key
           build and sort); no shape changes.
+        - ``prefetch_followers`` (left out): the stream the followers' copies
+          are launched on, inside the sparse attention op; no shape changes.
         """
         from vllm.config.utils import hash_factors
 

@@ -125,7 +125,7 @@ def test_hash_covers_only_graph_shaping_fields():
     """issue 10 part 4: the compile-cache hash keeps only what shapes the
     attention path. Resizing the host pool, or the scheduler/runtime knobs
     (eager_host_mirror, admission_max_tokens, shared_host_pool,
-    order_misses), must not
+    order_misses, prefetch_followers), must not
     invalidate the torch.compile cache; device_buffer_size (H, the width of
     the per-request hot-slot tensors) must."""
     base = {"host_pool_gib": 64}
@@ -137,6 +137,7 @@ def test_hash_covers_only_graph_shaping_fields():
         {"host_pool_gib": 64, "order_misses": True},
         {"host_pool_gib": 64, "order_misses": "row"},
         {"host_pool_gib": 64, "order_misses": "step"},
+        {"host_pool_gib": 64, "prefetch_followers": True},
     ]
     for fields in same:
         assert HiSparseConfig(**fields).compute_hash() == HiSparseConfig(

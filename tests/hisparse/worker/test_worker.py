@@ -374,6 +374,90 @@ def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
     assert stats["misses"] == 2 and stats["live_hot_regions"] == 1
 
 
+def _decode_all_layers(prefetch: bool):
+    """One decode step through every sparse layer in model order (index
+    groups [l0], [l1 l2], [l3]), request r0's page 0 host-only: the rows
+    and counts per layer, the slab after the forward, the stream log with
+    each gather and resolve launch in it (the stream it ran on: the last
+    ``enter`` not yet exited)."""
+    rig = WorkerRig(freq=2, prefetch_followers=prefetch)
+    rt, layers = rig.rt, rig.layout.sparse_layers
+    log = rig.worker.streams.log
+
+    def logged(name, fn):
+        return staticmethod(lambda *a, **k: (log.append(("launch", name)), fn(*a, **k))[1])
+
+    class Logged(ReferenceOps):
+        resolve_residency = logged("resolve", ReferenceOps.resolve_residency)
+        gather_compact = logged("gather", ReferenceOps.gather_compact)
+
+    rt.ops = Logged
+    md = _start_one_decode(rig, resident=[0, 4], host_pages=1, computed=100)
+    topk = torch.full((1, 64), -1, dtype=torch.int32)
+    topk[0, :5] = torch.tensor([2, 70, 9, 100, 33], dtype=torch.int32)
+    start = len(log)
+    out = {}
+    for name in layers:
+        rows, counts = rt.decode_rows(name, 1, topk, md.seq_lens, md.block_table)
+        out[name] = (rows.clone(), counts.clone())
+    forward_log = log[start:]
+    rig.worker.finish_forward()
+    return rig, out, rig.slab.clone(), forward_log
+
+
+def test_prefetched_followers_gather_the_same_bytes_on_the_copy_stream():
+    """Spec 2.10 step 2.3 (prefetch_followers): the leader resolves and
+    gathers on the compute stream; its follower's gather is enqueued on the
+    copy stream behind an event recorded after the leader's gather (fork)
+    and the follower's attention waits on its own ready event (join),
+    launching nothing itself. Rows, counts and every slab byte equal the
+    gathers on the compute stream (INV-11)."""
+    rig, out, slab, _ = _decode_all_layers(prefetch=False)
+    p_rig, p_out, p_slab, log = _decode_all_layers(prefetch=True)
+    layers = rig.layout.sparse_layers
+    assert [n for g in rig.rt.groups for n in g.layers[1:]] == [layers[2]]
+    for name in layers:
+        assert torch.equal(out[name][0], p_out[name][0])
+        assert torch.equal(out[name][1], p_out[name][1])
+    assert torch.equal(slab, p_slab)
+    assert p_rig.rt.stats()["misses"] > 0
+    follower = f"ready:{layers[2]}"
+    fork = [("launch", "resolve"), ("launch", "gather"),
+            ("record", "plan_ready", "compute"), ("enter", "copy"),
+            ("wait", "copy", "plan_ready"), ("launch", "gather"),
+            ("record", follower, "copy"), ("exit", "copy"),
+            ("wait", "compute", follower)]
+    launches_and_streams = [e for e in log if e[0] in ("launch", "record", "wait",
+                                                       "enter", "exit")]
+    # l0 alone: resolve + gather; [l1 l2]: the fork and join; l3 alone.
+    assert launches_and_streams == [("launch", "resolve"), ("launch", "gather"),
+                                    *fork, ("launch", "resolve"), ("launch", "gather")]
+    # Off: the follower gathers on the compute stream, no stream operation.
+    _, _, _, off_log = _decode_all_layers(prefetch=False)
+    assert [e for e in off_log if e[0] != "launch"] == []
+    assert [e[1] for e in off_log].count("gather") == 4
+
+
+def test_prefetch_is_joined_before_the_next_leader_rewrites_the_plan():
+    """INV-9 with prefetch_followers: the next group's resolve (the only
+    writer of the shared workspace) is launched after the compute stream
+    waited on every prefetched follower of the group before; a new forward
+    does not reuse the previous forward's prefetch (end_forward clears it),
+    so a follower reached without its leader stays an error."""
+    rig, _, _, log = _decode_all_layers(prefetch=True)
+    layers = rig.layout.sparse_layers
+    join = log.index(("wait", "compute", f"ready:{layers[2]}"))
+    resolves = [i for i, e in enumerate(log) if e == ("launch", "resolve")]
+    assert resolves[-1] > join and resolves[1] < join
+    assert rig.rt.prefetch.group is None
+    rig.batch.schedule(computed=[101], scheduled=[1])
+    md = attn_metadata(rig.batch, 1, 1)
+    rig.worker.start_step(rig.meta(), md)
+    topk = torch.full((1, 64), -1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="without its leader"):
+        rig.rt.decode_rows(layers[2], 1, topk, md.seq_lens, md.block_table)
+
+
 def test_short_prefill_chunks_on_the_decode_kernel_read_staged_host_pages():
     """K13: a 3-token chunk the backend runs on its decode kernel. Its
     resident page resolves to the resident row, its host-only page to a

@@ -26,10 +26,12 @@ def kernels():
 class CudaRig(WorkerRig):
     """WorkerRig on CUDA: GPU slab and tables, real ops, real streams."""
 
-    def __init__(self, kernels, *, freq: int = 1, eager: bool = True):
+    def __init__(self, kernels, *, freq: int = 1, eager: bool = True,
+                 prefetch_followers: bool = False):
         config = tiny_config(freq=freq)
         super().__init__(config=config, eager=eager, device="cuda", ops=kernels,
-                         pool=HostPool(config.host_pool), page_copy=None)
+                         pool=HostPool(config.host_pool), page_copy=None,
+                         prefetch_followers=prefetch_followers)
 
     def run(self, meta, num_decodes=0, num_decode_tokens=0, before_finish=None):
         self.batch.commit()
@@ -87,3 +89,63 @@ def test_decode_rows_match_the_cpu_reference(kernels):
         results.append(out)
     for cpu, gpu in zip(*results):
         assert torch.equal(cpu, gpu)
+
+
+def _decode_every_layer_eager_and_replayed(kernels, prefetch: bool):
+    """r0's page 0 host-only (misses in every group): each sparse layer's
+    rows, counts, the slab and the groups' dgi/lru after the layers run in
+    model order, eagerly and then as a replay of a CUDA graph captured from
+    the same state (restored between)."""
+    rig = CudaRig(kernels, freq=2, prefetch_followers=prefetch)
+    rt, layers = rig.rt, rig.layout.sparse_layers
+    rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])
+    for i, name in enumerate(layers):
+        fill_pattern(rt.layers[name].host[5 * B:6 * B], seed=i)
+    rig.batch.schedule(computed=[100], scheduled=[1])
+    rig.batch.commit()
+    md = attn_metadata(rig.batch, 1, 1, device="cuda")
+    rig.worker.start_step(rig.meta(hot_regions_allocated=np.array([20]),
+                                   hot_region_requests=["r0"]), md)
+    topk = torch.full((1, 64), -1, dtype=torch.int32, device="cuda")
+    topk[0, :5] = torch.tensor([2, 70, 9, 100, 33], dtype=torch.int32)
+    state = [rig.slab] + [t for g in rt.groups for t in (g.dgi, g.lru)]
+    saved = [t.clone() for t in state]
+
+    def forward():
+        out = []
+        for name in layers:
+            rows, counts = rt.decode_rows(name, 1, topk, md.seq_lens, md.block_table)
+            out += [rows, counts]
+        return out
+
+    def snapshot(out):
+        torch.cuda.synchronize()
+        return [t.cpu().clone() for t in out + state]
+
+    eager = snapshot(forward())
+    for t, v in zip(state, saved):
+        t.copy_(v)
+    rt.workspace.owner = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    for t, v in zip(state, saved):
+        t.copy_(v)
+    graph.replay()
+    replayed = snapshot(captured)
+    rig.worker.finish_forward()
+    torch.cuda.synchronize()
+    rig.worker.shutdown()
+    return eager, replayed
+
+
+def test_prefetched_followers_match_eager_and_captured(kernels):
+    """Spec 2.10 step 2.3 on the H200 (prefetch_followers): with the
+    followers' gathers on the copy stream, every layer's rows and counts,
+    every slab byte and the LRU state equal the gathers on the compute
+    stream, eagerly and in a captured graph (the fork and its joins)."""
+    off_eager, off_graph = _decode_every_layer_eager_and_replayed(kernels, False)
+    on_eager, on_graph = _decode_every_layer_eager_and_replayed(kernels, True)
+    for results in (off_graph, on_eager, on_graph):
+        for a, b in zip(off_eager, results):
+            assert torch.equal(a, b)

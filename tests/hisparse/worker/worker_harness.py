@@ -276,7 +276,7 @@ class WorkerRig:
     ``Batch``, the reference ops and page copy. ``config``, ``pool``,
     ``tables`` (what the runtime reads the batch through; ``self.batch``),
     ``ops``, ``page_copy`` and ``device`` replace those parts; ``streams``
-    replaces the stream stand-in."""
+    replaces the stream stand-in; ``prefetch_followers`` as the config's."""
 
     def __init__(self, *, freq: int = 1, eager: bool = True, topk: int = 64,
                  staging_blocks: int = 0, streams: StreamOps | None = None,
@@ -284,7 +284,8 @@ class WorkerRig:
                  pool: HostPool | None = None, tables=None, ops=ReferenceOps,
                  page_copy=reference.ref_copy_descriptors, rank: int = 0,
                  device: str = "cpu", max_num_seqs: int = 8,
-                 max_num_tokens: int = 512, order_misses: bool | str | None = None) -> None:
+                 max_num_tokens: int = 512, order_misses: bool | str | None = None,
+                 prefetch_followers: bool = False) -> None:
         if config is None:
             config = tiny_config(freq=freq, index_topk=topk,
                                  staging_blocks=staging_blocks)
@@ -303,6 +304,8 @@ class WorkerRig:
         self.worker = HiSparseWorker(
             self.rt, self.pool, slab=self.slab, rank=rank, eager_host_mirror=eager,
             page_copy=page_copy, streams=streams)
+        if prefetch_followers:
+            self.rt.prefetch_followers(self.worker.streams)
         self.step = 0
 
     @property

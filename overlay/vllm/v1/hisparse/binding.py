@@ -328,6 +328,8 @@ def bind_runtime(
         rank=get_tensor_model_parallel_rank(),
         eager_host_mirror=hisparse_config.eager_host_mirror,
     )
+    if hisparse_config.prefetch_followers:
+        runtime.prefetch_followers(worker.streams)
     staging = StagingCache(
         runner.max_model_len, layout.block_size, layout.row_bytes, slab.device
     )
@@ -352,13 +354,14 @@ def bind_runtime(
     logger.info(
         "HiSparse enabled: index_topk=%d, device_buffer_size=%d, "
         "max_decode_query_len=%d, eager_host_mirror=%s, order_misses=%s, "
-        "%d index group(s), "
+        "prefetch_followers=%s, %d index group(s), "
         "resolver workspace %d rows, %.1f MiB of worker GPU state.",
         g.index_topk,
         g.device_buffer_size,
         g.max_decode_query_len,
         hisparse_config.eager_host_mirror,
         order_misses,
+        runtime.prefetch is not None,
         len(runtime.groups),
         g.workspace_rows,
         held / MiB,

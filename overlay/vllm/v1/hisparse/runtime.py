@@ -431,6 +431,15 @@ class HiSparseRuntime:
         """Most in-slab staging blocks one step's extends used since the
         metrics sampler last read it (C12)."""
         self.prefill_seq_lens = np.zeros(0, dtype=np.int64)
+        self.prefetch: FollowerPrefetch | None = None
+        """Followers' gathers on a copy stream (``prefetch_followers``)."""
+
+    def prefetch_followers(self, streams: Any) -> None:
+        """Gather each follower's misses on a copy stream as soon as its
+        leader has planned them, so they overlap the leader's attention
+        (spec 2.10, docs/worker.md K6). ``streams``: the worker's StreamOps."""
+        followers = [n for group in self.groups for n in group.layers[1:]]
+        self.prefetch = FollowerPrefetch(streams, followers)
 
     # ---------------------------------------------------------- geometry
 
@@ -649,6 +658,8 @@ class HiSparseRuntime:
         self.step_active = False
         self.decode_split, self.draft_passes = None, 0
         self.workspace.owner = None
+        if self.prefetch is not None:
+            self.prefetch.group = None
         self.staged = {}
         self.extend_plan = None
 
@@ -720,12 +731,18 @@ class HiSparseRuntime:
             )
             self._order_misses(nd)
             ws.owner = group
+            self._gather_misses(lv, nd)
+            if self.prefetch is not None and len(group.layers) > 1:
+                self.prefetch.enqueue(group, nd, self._gather_misses, self.layers)
         elif ws.owner is not group:
             raise RuntimeError(
                 f"HiSparse: follower {layer_name} reached without its leader "
                 f"{group.leader}'s plan (spec 2.10)"
             )
-        self._gather_misses(lv, nd)
+        elif self.prefetch is not None and self.prefetch.group is group:
+            self.prefetch.join(layer_name)
+        else:
+            self._gather_misses(lv, nd)
         return ws.out_rows[:nd], ws.valid_counts[:nd]
 
     def _order_misses(self, nd: int) -> None:
@@ -804,6 +821,54 @@ class HiSparseRuntime:
         }
 
 
+class FollowerPrefetch:
+    """The followers' miss gathers on a copy stream (spec 2.10 step 2.3).
+
+    The leader's resolve and gather stay on the compute stream: its own
+    attention waits for them, so a side stream would add two event
+    operations and overlap nothing. Its followers' gathers only need the
+    plan, so they are enqueued on the copy stream right behind it (fork:
+    the copy stream waits on an event recorded after the leader's gather,
+    which thus has the host link to itself) and run during the leader's
+    attention; each follower's attention waits on its own ready event
+    (join). Every fork is joined before the forward ends,
+    as a CUDA graph capture requires.
+
+    INV-9: the next leader's resolve, the only writer of the plan, is
+    enqueued on the compute stream after every follower of this group has
+    joined. The gathers read only persistent buffers (the host pool, the
+    slab, the workspace), so no allocation crosses streams.
+    """
+
+    def __init__(self, streams: Any, followers: Sequence[str]) -> None:
+        self.streams = streams
+        self.stream = streams.new_stream("copy")
+        self.plan_ready = streams.event("plan_ready")
+        self.ready = {name: streams.event(f"ready:{name}") for name in followers}
+        self.group: IndexGroup | None = None
+        """The group whose followers were enqueued this forward (read while
+        the model's Python runs: eager, or the capture of a graph)."""
+
+    def enqueue(
+        self,
+        group: IndexGroup,
+        nd: int,
+        gather: Callable[[LayerViews, int], None],
+        layers: Mapping[str, LayerViews],
+    ) -> None:
+        s = self.streams
+        s.record(self.plan_ready, s.compute())
+        with s.on(self.stream):
+            s.wait(self.stream, self.plan_ready)
+            for name in group.layers[1:]:
+                gather(layers[name], nd)
+                s.record(self.ready[name], self.stream)
+        self.group = group
+
+    def join(self, follower: str) -> None:
+        self.streams.wait(self.streams.compute(), self.ready[follower])
+
+
 def build_index_groups(
     sparse_layers: Sequence[str],
     leaders: Sequence[bool],
@@ -866,5 +931,6 @@ __all__ = [
     "RuntimeGeometry",
     "SlotAllocator",
     "Workspace",
+    "FollowerPrefetch",
     "build_index_groups",
 ]

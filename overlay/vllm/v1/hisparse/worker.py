@@ -81,11 +81,16 @@ class StreamOps:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.log: list[tuple[str, ...]] = []
         self.dma: Any = torch.cuda.Stream(device=device) if self.cuda else "dma"
 
     def compute(self) -> Any:
         return torch.cuda.current_stream() if self.cuda else "compute"
+
+    def new_stream(self, name: str) -> Any:
+        """A further side stream (the followers' gathers, spec 2.10)."""
+        return torch.cuda.Stream(device=self.device) if self.cuda else name
 
     def event(self, name: str = "event", interprocess: bool = False) -> Any:
         if not self.cuda:

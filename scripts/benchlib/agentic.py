@@ -64,6 +64,7 @@ MARGIN_TOKENS = 128
 # Plain vLLM's KV bytes per token of the 4-layer tiny model (fp8_ds_mla,
 # one uniform group: 2 GiB hold ~680K tokens in the e2e engines).
 PLAIN_BYTES_PER_TOKEN = 3158
+MODEL_LAYERS = 4
 
 ARMS: dict[str, dict] = {
     "plain": {"vllm": "ours", "doc": "vLLM 0.26.0 + this series, HiSparse off, no offloading "
@@ -74,6 +75,9 @@ ARMS: dict[str, dict] = {
     "hisparse": {"vllm": "ours", "doc": "Hybrid HiSparse + the OffloadingConnector: "
                                         "--attention-config '{\"hisparse_config\": ...}' "
                                         "--kv-transfer-config '{...OffloadingConnector...}'"},
+    "hisparse_pf": {"vllm": "ours", "doc": "as hisparse, with prefetch_followers=true (the "
+                                           "followers' gathers on a copy stream; needs "
+                                           "--index-topk-freq > 1 to have followers)"},
     "upstream": {"vllm": "upstream", "doc": "upstream vLLM 0.30.0's HiSparse "
                                             "(HiSparseConnector, model runner V2)"},
 }
@@ -284,6 +288,9 @@ class AgenticConfig:
     offload_gib: float = 8.0
     weights: str = "seeded"
     variant: str = "n02"
+    index_topk_freq: int = 1
+    """The tiny model's layers reuse a top-k in groups of this many
+    (IndexShare: the first of each group is its leader)."""
     gpu_memory_utilization: float = 0.12
     compilation_config: dict | None = None
     upstream_compilation_config: dict | None = None
@@ -315,6 +322,12 @@ class AgenticConfig:
             raise ValueError("--conversations-per-client and --rounds must be >= 1")
         if self.weights not in ("seeded", "dummy"):
             raise ValueError(f"--weights must be seeded or dummy, not {self.weights}")
+        if not 1 <= self.index_topk_freq <= MODEL_LAYERS:
+            raise ValueError(f"--index-topk-freq must be in [1, {MODEL_LAYERS}] (the tiny "
+                             f"model's layers), not {self.index_topk_freq}")
+        if "hisparse_pf" in self.arms and self.index_topk_freq == 1:
+            raise ValueError("arm hisparse_pf needs --index-topk-freq > 1: with one "
+                             "indexer per layer there is no follower to prefetch")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1)")
         if self.poll_s <= 0:
@@ -386,9 +399,11 @@ def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
     elif arm == "offload":
         flags = ["--attention-config", force_mqa,
                  "--kv-transfer-config", json.dumps(offload_config(cfg))]
-    elif arm == "hisparse":
-        flags = ["--attention-config",
-                 json.dumps({"hisparse_config": {"host_pool_gib": cfg.host_pool_gib}}),
+    elif arm in ("hisparse", "hisparse_pf"):
+        hs = {"host_pool_gib": cfg.host_pool_gib}
+        if arm == "hisparse_pf":
+            hs["prefetch_followers"] = True
+        flags = ["--attention-config", json.dumps({"hisparse_config": hs}),
                  "--kv-transfer-config", json.dumps(offload_config(cfg))]
     elif arm == "upstream":
         flags = ["--attention-config", force_mqa, "--kv-transfer-config", json.dumps({

@@ -157,18 +157,24 @@ def log_digest(log_dir: Path, out_file: Path, lines: int = 150) -> Path | None:
 # ------------------------------------------------------- the tiny model
 
 
-def model_config_matches(cfg: dict, layers: int, max_pos: int) -> bool:
+def model_config_matches(cfg: dict, layers: int, max_pos: int,
+                         index_topk_freq: int = 1) -> bool:
     return cfg.get("num_hidden_layers") == layers and \
-        cfg.get("max_position_embeddings") == max_pos
+        cfg.get("max_position_embeddings") == max_pos and \
+        cfg.get("index_topk_freq", 1) == index_topk_freq
 
 
-def ensure_model(path: Path, layers: int, max_pos: int, python: str = sys.executable) -> Path:
+def ensure_model(path: Path, layers: int, max_pos: int, python: str = sys.executable,
+                 index_topk_freq: int = 1) -> Path:
     """tests/e2e/make_tiny_glm5.py's model directory with ``layers`` layers
-    (all sparse-MLA) and ``max_pos`` positions, written unless already there."""
+    (all sparse-MLA; each ``index_topk_freq`` share one top-k) and
+    ``max_pos`` positions, written unless already there."""
     path = Path(path)
     cfg = path / "config.json"
-    if cfg.exists() and model_config_matches(json.loads(cfg.read_text()), layers, max_pos):
+    if cfg.exists() and model_config_matches(json.loads(cfg.read_text()), layers, max_pos,
+                                             index_topk_freq):
         return path
+    share = ["--index-topk-freq", str(index_topk_freq)] if index_topk_freq > 1 else []
     subprocess.run([python, str(MAKE_MODEL), str(path), "--layers", str(layers),
-                    "--max-pos", str(max_pos)], check=True, stdout=subprocess.DEVNULL)
+                    "--max-pos", str(max_pos), *share], check=True, stdout=subprocess.DEVNULL)
     return path

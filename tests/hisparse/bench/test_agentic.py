@@ -100,6 +100,8 @@ def test_jitter_averages_out_to_the_target():
     (dict(concurrency=[128]), "max-num-seqs"), (dict(weights="x"), "weights"),
     (dict(conversations_per_client=0), "conversations-per-client"), (dict(poll_s=0), "poll"),
     (dict(kv_bytes=32 * agentic.MIB), "cannot hold one max_model_len request"),
+    (dict(index_topk_freq=0), "index-topk-freq"), (dict(index_topk_freq=5), "index-topk-freq"),
+    (dict(arms=["hisparse", "hisparse_pf"]), "hisparse_pf needs --index-topk-freq > 1"),
 ])
 def test_config_refuses(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -165,7 +167,7 @@ def test_prepare_model_removes_eos_and_special_tokens_and_adds_a_template(tmp_pa
 # ------------------------------------------------------ command lines
 
 
-@pytest.mark.parametrize("arm", ["plain", "offload", "hisparse"])
+@pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf"])
 def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     """`vllm serve`'s own parser and EngineArgs -> VllmConfig (CPU
     platform): same budget and limits everywhere; the connector and
@@ -177,7 +179,8 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
 
     subprocess.run([sys.executable, str(common.MAKE_MODEL), str(tmp_path)], check=True,
                    capture_output=True)
-    c = cfg(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+    c = cfg(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+            arms=[arm], index_topk_freq=2 if arm == "hisparse_pf" else 1)
     cmd = agentic.server_command(arm, c, "python3", str(tmp_path))
     assert cmd[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
     parser = FlexibleArgumentParser()
@@ -193,12 +196,27 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     assert args.max_num_batched_tokens == c.chunk  # the CPU platform resizes it in vc
     assert vc.attention_config.sparse_mla_force_mqa is True
     hs = vc.attention_config.hisparse_config
-    assert (hs is not None) == (arm == "hisparse")
+    assert (hs is not None) == arm.startswith("hisparse")
     connector = vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None
     assert connector == {"plain": None, "offload": "OffloadingConnector",
-                         "hisparse": "MultiConnector"}[arm]
+                         "hisparse": "MultiConnector", "hisparse_pf": "MultiConnector"}[arm]
     if hs is not None:
         assert hs.host_pool_gib == c.host_pool_gib
+        assert hs.prefetch_followers == (arm == "hisparse_pf")
+
+
+def test_ensure_model_writes_the_index_share_it_is_asked_for(tmp_path):
+    """--index-topk-freq N: the tiny model's layers share a top-k in groups
+    of N (the followers hisparse_pf prefetches); a folder of another share
+    is rewritten, one of the same is kept."""
+    path = common.ensure_model(tmp_path / "m", 4, 4096, index_topk_freq=2)
+    config = json.loads((path / "config.json").read_text())
+    assert config["index_topk_freq"] == 2 and config["num_hidden_layers"] == 4
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert common.ensure_model(path, 4, 4096, index_topk_freq=2) == path
+    assert (path / "config.json").stat().st_mtime_ns == stamp
+    common.ensure_model(path, 4, 4096)
+    assert "index_topk_freq" not in json.loads((path / "config.json").read_text())
 
 
 def test_upstream_arm_uses_its_own_surface():

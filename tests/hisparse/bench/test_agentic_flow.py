@@ -43,7 +43,7 @@ def agentic_cmd(bench_agentic, monkeypatch, tmp_path):
     monkeypatch.setattr(common, "has_gpu", lambda: True)
     monkeypatch.setattr(bench_agentic, "vllm_probe", lambda env: {"version": "fake"})
 
-    def model(path, layers, max_pos, python=sys.executable):
+    def model(path, layers, max_pos, python=sys.executable, index_topk_freq=1):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps({"eos_token_id": 1,
@@ -190,7 +190,7 @@ def test_with_vllms_own_multi_turn_tool(agentic_cmd, monkeypatch, tmp_path):
     pytest.importorskip("pandas")
     import subprocess
 
-    def model(path, layers, max_pos, python=sys.executable):
+    def model(path, layers, max_pos, python=sys.executable, index_topk_freq=1):
         subprocess.run([sys.executable, str(common.MAKE_MODEL), str(path), "--max-pos",
                         str(max_pos)], check=True, capture_output=True)
         return Path(path)

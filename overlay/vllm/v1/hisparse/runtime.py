@@ -272,6 +272,9 @@ class StepInputs:
         self._sent[self._cur] = event
 
     def reset(self) -> None:
+        # Every step, not lazily before the next run outside a step: a DP
+        # rank's dummy batch can replay a FULL graph, which runs no Python
+        # that could pad first (F13).
         self.tensor.fill_(-1)
 
 

@@ -375,12 +375,15 @@ def profile_counts(events: Iterable[Mapping]) -> dict:
     runtime_us: dict[str, float] = {}
     kernels: dict[str, list[float]] = {}
     copies = {"count": 0.0, "us": 0.0}
+    copy_kinds: dict[str, float] = {}
+    ops: dict[str, float] = {}
     for e in events:
         name, count = e["name"], float(e.get("count", 0))
         if e.get("device") == "cuda":
             if name.startswith(("Memcpy", "Memset")):
                 copies["count"] += count
                 copies["us"] += float(e.get("self_device_us", 0))
+                copy_kinds[name] = copy_kinds.get(name, 0.0) + count
             else:
                 k = kernels.setdefault(name, [0.0, 0.0])
                 k[0] += count
@@ -388,8 +391,10 @@ def profile_counts(events: Iterable[Mapping]) -> dict:
         elif _is_runtime(name):
             runtime[name] = runtime.get(name, 0.0) + count
             runtime_us[name] = runtime_us.get(name, 0.0) + float(e.get("self_cpu_us", 0))
+        elif "::" in name:  # a torch op (aten::fill_, a custom op): issued eagerly
+            ops[name] = ops.get(name, 0.0) + count
     return {"runtime": runtime, "runtime_us": runtime_us, "kernels": kernels,
-            "copies": copies}
+            "copies": copies, "copy_kinds": copy_kinds, "ops": ops}
 
 
 PYTHON_STAGES = (
@@ -470,6 +475,7 @@ def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: i
     kt = {k: (b["kernels"].get(k, [0, 0])[1] - a["kernels"].get(k, [0, 0])[1]) / steps
           for k in set(a["kernels"]) | set(b["kernels"])}
     top_k = sorted(kt, key=lambda k: -kt[k])[:top]
+    ops, kinds = diff(a["ops"], b["ops"]), diff(a["copy_kinds"], b["copy_kinds"])
     return {
         "steps": steps,
         "per_step": {
@@ -488,9 +494,54 @@ def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: i
         },
         "top_kernels": [{"name": k, "us_per_step": round(kt[k], 3),
                          "count_per_step": round(kc[k], 3)} for k in top_k],
+        # Where launches come from: every kernel, copy kind and eager torch
+        # op per step (profile_diff subtracts the off arm's)
+        "kernel_counts": _per_step_counts(kc),
+        "copy_kinds": _per_step_counts(kinds),
+        "op_counts": _per_step_counts(ops),
         **({"python": python_per_step(python["short"], python["long"], steps)}
            if python else {}),
     }
+
+
+def _per_step_counts(counts: Mapping[str, float], floor: float = 0.05) -> dict[str, float]:
+    """Counts per step of at least ``floor``, the most frequent first; names
+    cut to 160 characters (templated kernel names run to kilobytes)."""
+    out: dict[str, float] = {}
+    for name in sorted(counts, key=lambda k: (-counts[k], k)):
+        if counts[name] >= floor:
+            key = name[:160]
+            out[key] = round(out.get(key, 0.0) + counts[name], 3)
+    return out
+
+
+def profile_diff(profiles: Mapping[str, Mapping], floor: float = 0.5) -> dict:
+    """Per profile of an arm other than off ("mode/L<n>/arm/batch<b>", as
+    bench-tax keys them): its per-step launches, copies, kernels, copy kinds
+    and eager torch ops minus the off arm's at the same mode, layers and
+    batch, the differences of at least ``floor`` per step, largest first:
+    what HiSparse adds to a step, by name."""
+    out: dict = {}
+    for key, prof in profiles.items():
+        parts = key.split("/")
+        if len(parts) < 4 or parts[-2] == "off":
+            continue
+        base = profiles.get("/".join(parts[:-2] + ["off", parts[-1]]))
+        if base is None:
+            continue
+        row: dict = {}
+        for field in ("kernel_launches", "cuda_memcpy_async", "graph_launches"):
+            row[field] = round(prof["per_step"].get(field, 0.0)
+                               - base["per_step"].get(field, 0.0), 3)
+        for field in ("kernel_counts", "copy_kinds", "op_counts"):
+            mine, theirs = prof.get(field, {}), base.get(field, {})
+            delta = {k: round(mine.get(k, 0.0) - theirs.get(k, 0.0), 3)
+                     for k in set(mine) | set(theirs)}
+            row[field] = {k: v for k, v in sorted(delta.items(), key=lambda kv: (-abs(kv[1]),
+                                                                                kv[0]))
+                          if abs(v) >= floor}
+        out[key] = row
+    return out
 
 
 # ------------------------------------------------------------ report
@@ -517,6 +568,7 @@ def build_report(*, cfg: TaxConfig | None, command: str | None, samples: list,
         "fit": {m: {str(b): f for b, f in fb.items()} for m, fb in fits(summary).items()},
         "targets": evaluate(summary),
         "profile": profiles,
+        "profile_diff": profile_diff(profiles),
         "samples": samples,
         "failures": failures,
         "merged_from": merged_from or [],

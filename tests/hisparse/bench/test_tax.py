@@ -290,7 +290,7 @@ def test_report_schema():
         profiles={}, runs=[{"started": "x"}], failures=[])
     assert rep["schema"] == tax.SCHEMA
     for key in ("command", "config", "arms", "modes", "method", "runs", "engines", "summary",
-                "fit", "targets", "profile", "samples", "failures"):
+                "fit", "targets", "profile", "profile_diff", "samples", "failures"):
         assert key in rep
     assert set(rep["targets"]) == {"P2", "P2_split", "P6", "P8_tax", "offload_adds_nothing"}
     assert rep["targets"]["P2"]["target"] == targets.TEXT["P2"]
@@ -326,6 +326,41 @@ def test_profile_per_step_is_the_difference_over_the_extra_steps():
     assert [k["name"] for k in p["top_kernels"]] == ["attn", "gather_kernel"]
     with pytest.raises(ValueError):
         tax.profile_per_step([], [], 0)
+
+
+def test_profile_diff_names_what_an_arm_adds_per_step():
+    """P2 (issue 16 item 1): the profile of each HiSparse arm minus the off
+    arm's at the same mode, layers and batch, per kernel name, copy kind
+    and eager torch op, so that a run says where each extra launch comes
+    from; differences under half a launch per step are left out."""
+    def ev(k, fills, mirror):  # k decode steps
+        return [{"name": "cudaLaunchKernel", "device": "cpu", "count": (fills + mirror) * k},
+                {"name": "cudaMemcpyAsync", "device": "cpu", "count": 2 * k},
+                {"name": "aten::fill_", "device": "cpu", "count": fills * k},
+                {"name": "hisparse_ops::mirror_descriptors", "device": "cpu",
+                 "count": mirror * k},
+                {"name": "fill_kernel<" + "x" * 400, "device": "cuda", "count": fills * k},
+                {"name": "mirror_descriptors_kernel", "device": "cuda", "count": mirror * k},
+                {"name": "rare", "device": "cuda", "count": 16 if mirror else 0},
+                {"name": "Memcpy HtoD (Pinned -> Device)", "device": "cuda", "count": 2 * k}]
+
+    def prof(fills, mirror):
+        return tax.profile_per_step(ev(16, fills, mirror), ev(144, fills, mirror), 128)
+
+    profiles = {"fdo/L4/off/batch16": prof(6, 0), "fdo/L4/on/batch16": prof(17, 1),
+                "fdo/L4/on/batch1": prof(9, 1)}  # no off arm at batch 1
+    on = profiles["fdo/L4/on/batch16"]
+    assert on["op_counts"]["aten::fill_"] == pytest.approx(17)
+    assert len(next(iter(on["kernel_counts"]))) == 160
+    diff = tax.profile_diff(profiles)
+    assert set(diff) == {"fdo/L4/on/batch16"}
+    d = diff["fdo/L4/on/batch16"]
+    assert d["kernel_launches"] == pytest.approx(12) and d["cuda_memcpy_async"] == 0
+    assert d["op_counts"] == {"aten::fill_": 11, "hisparse_ops::mirror_descriptors": 1}
+    assert list(d["kernel_counts"].values()) == [11, 1]  # "rare" (0.125 per step) left out
+    assert d["copy_kinds"] == {}
+    merged = tax.profile_diff({f"run1:{k}": v for k, v in profiles.items()})
+    assert set(merged) == {"run1:fdo/L4/on/batch16"}
 
 
 def test_python_per_step_attributes_host_time_to_stages_and_hisparse():

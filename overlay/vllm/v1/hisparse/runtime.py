@@ -24,10 +24,12 @@ It owns the GPU state the decode path reads and writes:
   overwrites it only after every layer reading the previous group's contents
   has been enqueued on the same stream.
 
-NOTE (a decision, docs/worker.md): the resolver and the gathers run on the
-compute stream, in the leader's attention call. Followers replay the
-leader's plan with their own views. The copy-stream overlap of spec 2.10 is
-a later optimisation; on one stream INV-9 holds by construction.
+NOTE (a decision, docs/worker.md K6): the leader's resolver and gather run
+on the compute stream, in its attention call (its own attention waits for
+them). Followers replay the leader's plan with their own views, on the
+compute stream too, or, with ``prefetch_followers``, on a copy stream right
+after the leader's gather (``FollowerPrefetch``: spec 2.10's overlap); INV-9
+holds by stream order and the followers' joins.
 
 The runtime never decides residency (INV-8): it applies what the scheduler
 sent and what the block tables say.

@@ -836,8 +836,8 @@ class FollowerPrefetch:
     the copy stream waits on an event recorded after the leader's gather,
     which thus has the host link to itself) and run during the leader's
     attention; each follower's attention waits on its own ready event
-    (join). Every fork is joined before the forward ends,
-    as a CUDA graph capture requires.
+    (join). Every fork is joined before the forward ends, as a CUDA graph
+    capture requires.
 
     INV-9: the next leader's resolve, the only writer of the plan, is
     enqueued on the compute stream after every follower of this group has
@@ -929,6 +929,7 @@ def _query_lens(query_start_loc: Any) -> list[int] | None:
 
 __all__ = [
     "BatchState",
+    "FollowerPrefetch",
     "HiSparseRuntime",
     "IndexGroup",
     "KernelOps",
@@ -936,6 +937,5 @@ __all__ = [
     "RuntimeGeometry",
     "SlotAllocator",
     "Workspace",
-    "FollowerPrefetch",
     "build_index_groups",
 ]

@@ -438,6 +438,15 @@ def test_prefetched_followers_gather_the_same_bytes_on_the_copy_stream():
     assert [e[1] for e in off_log].count("gather") == 4
 
 
+def test_prefetch_needs_followers():
+    """prefetch_followers on a model whose every layer has its own indexer
+    sets up nothing (no copy stream, no events): the binding warns."""
+    rig = WorkerRig(freq=1)
+    assert rig.rt.prefetch_followers(rig.worker.streams) is False
+    assert rig.rt.prefetch is None
+    assert WorkerRig(freq=2, prefetch_followers=True).rt.prefetch is not None
+
+
 def test_prefetch_is_joined_before_the_next_leader_rewrites_the_plan():
     """INV-9 with prefetch_followers: the next group's resolve (the only
     writer of the shared workspace) is launched after the compute stream

@@ -328,8 +328,14 @@ def bind_runtime(
         rank=get_tensor_model_parallel_rank(),
         eager_host_mirror=hisparse_config.eager_host_mirror,
     )
-    if hisparse_config.prefetch_followers:
-        runtime.prefetch_followers(worker.streams)
+    if hisparse_config.prefetch_followers and not runtime.prefetch_followers(
+        worker.streams
+    ):
+        logger.warning(
+            "HiSparse: prefetch_followers has no effect on this model: every "
+            "sparse-MLA layer computes its own top-k (no index group has a "
+            "follower)."
+        )
     staging = StagingCache(
         runner.max_model_len, layout.block_size, layout.row_bytes, slab.device
     )

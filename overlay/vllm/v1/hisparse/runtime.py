@@ -439,12 +439,15 @@ class HiSparseRuntime:
         self.prefetch: FollowerPrefetch | None = None
         """Followers' gathers on a copy stream (``prefetch_followers``)."""
 
-    def prefetch_followers(self, streams: Any) -> None:
+    def prefetch_followers(self, streams: Any) -> bool:
         """Gather each follower's misses on a copy stream as soon as its
         leader has planned them, so they overlap the leader's attention
-        (spec 2.10, docs/worker.md K6). ``streams``: the worker's StreamOps."""
+        (spec 2.10, docs/worker.md K6). ``streams``: the worker's StreamOps.
+        False (nothing set up) when no index group has a follower."""
         followers = [n for group in self.groups for n in group.layers[1:]]
-        self.prefetch = FollowerPrefetch(streams, followers)
+        if followers:
+            self.prefetch = FollowerPrefetch(streams, followers)
+        return bool(followers)
 
     # ---------------------------------------------------------- geometry
 

@@ -111,11 +111,11 @@ def _decode_every_layer_eager_and_replayed(kernels, prefetch: bool):
     state = [rig.slab] + [t for g in rt.groups for t in (g.dgi, g.lru)]
     saved = [t.clone() for t in state]
 
-    def forward():
+    def forward():  # each layer's rows, copied before the next layer reuses them
         out = []
         for name in layers:
             rows, counts = rt.decode_rows(name, 1, topk, md.seq_lens, md.block_table)
-            out += [rows, counts]
+            out += [rows.clone(), counts.clone()]
         return out
 
     def snapshot(out):

@@ -12,6 +12,8 @@ import pytest
 import torch
 from worker_harness import B, ReferenceOps, WorkerRig, attn_metadata, fill_pattern
 
+from vllm.v1.hisparse.runtime import ExtendPlan
+
 
 def written_rows(rig: WorkerRig, row: int, positions, pair: int):
     """(resident physical row, host row) of each position of batch row."""
@@ -491,6 +493,48 @@ def test_short_prefill_chunks_on_the_decode_kernel_read_staged_host_pages():
     assert int(rows[0, 3]) == -1
     rig.worker.finish_forward()
     assert rt.stats()["hot_regions_assigned"] == 0
+
+
+def _extend_rows_in_int64(plan, pair, row_req, topk, seq_lens, b, stride):
+    """K13's row translation as it was written first (int64 temporaries):
+    the oracle of the int32 one."""
+    req = row_req.to(torch.int64).clamp(min=0)
+    pos = topk.to(torch.int64)
+    page = (pos // b).clamp(0, max(plan.width - 1, 0))
+    block = plan.effective[pair].to(torch.int64)[req.unsqueeze(1), page]
+    ok = (pos >= 0) & (pos < seq_lens.to(torch.int64)[req].unsqueeze(1)) & (block > 0)
+    rows = block * stride + pos % b
+    return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_extend_rows_in_int32_equal_the_int64_translation(seed):
+    """K13 / L17: the extend path translates in int32 (three int32 [nd, K]
+    temporaries at most, not int64 ones); every row id equals the int64
+    translation's over random plans, positions (-1, past the sequence,
+    past the table) and padding rows."""
+    rng = np.random.default_rng(seed)
+    rig = WorkerRig(staging_blocks=4)
+    rt = rig.rt
+    n, width, nd, k = 3, 5, 7, 64
+    eff = rng.integers(0, 60, size=(n, width)).astype(np.int64)
+    eff[rng.random((n, width)) < 0.2] = 0
+    for pair in range(len(rig.res_ids)):
+        rt.extend_plan = ExtendPlan(
+            effective=tuple(torch.from_numpy(eff + 7 * j).to(torch.int32)
+                            for j in range(len(rig.res_ids))),
+            width=width, host_src_rows=torch.zeros(0, dtype=torch.int64),
+            dst_rows=torch.zeros(0, dtype=torch.int64), mask=torch.zeros(0, dtype=torch.bool))
+        row_req = torch.from_numpy(rng.integers(-1, n, size=nd).astype(np.int32))
+        rt.row_req[:nd] = row_req
+        topk = torch.from_numpy(rng.integers(-1, width * B + 40, size=(nd, k)).astype(np.int32))
+        seq_lens = torch.from_numpy(rng.integers(1, width * B, size=n).astype(np.int32))
+        layer = next(name for name, lv in rt.layers.items() if lv.pair == pair)
+        got = rt.extend_rows(layer, nd, topk, seq_lens)
+        want = _extend_rows_in_int64(rt.extend_plan, pair, row_req, topk, seq_lens, B,
+                                     rt.geometry.attention_block_stride)
+        assert got.dtype == torch.int32 and torch.equal(got, want)
+        assert (got >= 0).any() and (got == -1).any()
 
 
 def test_follower_without_its_leaders_plan_is_an_error():

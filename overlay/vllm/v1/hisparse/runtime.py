@@ -155,7 +155,7 @@ class ExtendPlan:
     """Rows of a step's decode-path extends (K13)."""
 
     effective: tuple[torch.Tensor, ...]
-    """Per resident group: int64 [n, width] block of each page, null pages
+    """Per resident group: int32 [n, width] block of each page, null pages
     replaced by their staging block."""
     width: int
     host_src_rows: torch.Tensor
@@ -598,7 +598,7 @@ class HiSparseRuntime:
         for table in resident:
             eff = np.where(live, table, 0).astype(np.int64)
             eff[null] = ids
-            effective.append(to_device(eff, self.device))
+            effective.append(to_device(eff, self.device, torch.int32))
         host_blocks = self.tables.host(self.source_group_id)[:n, :width][null]
         require_host_blocks(host_blocks, "host-only pages of short prefill chunks")
         src, dst, mask = page_copy_rows(host_blocks, ids, b, self.device)
@@ -631,13 +631,19 @@ class HiSparseRuntime:
                 lv.host, lv.resident, plan.host_src_rows, plan.dst_rows, plan.mask
             )
         nd = num_decode_tokens
-        req = self.row_req[:nd].to(torch.int64).clamp(min=0)
-        pos = topk[:nd].to(torch.int64)
-        page = (pos // b).clamp(0, max(plan.width - 1, 0))
-        block = plan.effective[lv.pair][req.unsqueeze(1), page]
-        ok = (pos >= 0) & (pos < seq_lens.to(torch.int64)[req].unsqueeze(1)) & (block > 0)
-        rows = block * g.attention_block_stride + pos % b
-        return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
+        # int32 throughout, in place where it can (the kernel's row ids are
+        # int32, so int64 bought nothing): at most three int32 [nd, K]
+        # temporaries live at once, not a handful of int64 ones (up to
+        # ~640 MiB in a step of 8192 such rows at K = 2048; docs/layout.md
+        # L17).
+        req = self.row_req[:nd].clamp(min=0)
+        pos = topk[:nd]
+        page = torch.div(pos, b, rounding_mode="floor").clamp_(0, max(plan.width - 1, 0))
+        rows = plan.effective[lv.pair][req.unsqueeze(1), page]  # block ids
+        del page
+        ok = (pos >= 0) & (pos < seq_lens[req].unsqueeze(1)) & (rows > 0)
+        rows.mul_(g.attention_block_stride).add_(torch.remainder(pos, b))
+        return rows.masked_fill_(~ok, -1)
 
     def begin_draft_pass(
         self, num_decodes: int, num_decode_tokens: int, query_start_loc: Any = None

@@ -168,3 +168,37 @@ def test_sparse_layers_write_with_their_resident_slot_mapping():
     retarget_slot_mappings(runner, mappings)
     assert mappings[names[0]] is res0 and mappings[names[1]] is res1
     retarget_slot_mappings(SimpleNamespace(hisparse_runtime=None), mappings)
+
+
+def test_the_runner_pads_no_hot_group_slot_mapping():
+    """P2 (runner hook in ``GPUModelRunner._get_slot_mappings``, run here on
+    the real method): the hot groups, which the resolver reads by block id,
+    get no slot mapping and their layers none; every other group is padded
+    with -1 past the real tokens as in the pin, and each sparse-MLA layer
+    writes through its resident group's. With HiSparse off every group is
+    there."""
+    from worker_harness import WorkerRig
+
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    rig = WorkerRig()
+    layout, groups = rig.layout, rig.config.kv_cache_groups
+    n = len(groups)
+    tables = MultiGroupBlockTable(8, 512, False, torch.device("cpu"), [B] * n, [B] * n,
+                                  [8] * n)
+    for t in tables.block_tables:
+        t.slot_mapping.gpu.fill_(7)
+    runner = SimpleNamespace(kv_cache_config=rig.config, hisparse_runtime=rig.rt,
+                             input_batch=SimpleNamespace(block_table=tables))
+    by_gid, by_layer = GPUModelRunner._get_slot_mappings(runner, 16, 4, 10)
+    hot = set(layout.hot_group_ids)
+    assert hot and set(by_gid) == set(range(n)) - hot
+    assert all((m[10:16] == -1).all() and (m[:10] == 7).all() for m in by_gid.values())
+    for gid in hot:
+        assert not set(groups[gid].layer_names) & set(by_layer)
+        assert (tables[gid].slot_mapping.gpu == 7).all()  # not touched
+    for name, lv in rig.rt.layers.items():
+        assert by_layer[name] is by_gid[layout.resident_group_ids[lv.pair]]
+    runner.hisparse_runtime = None
+    assert set(GPUModelRunner._get_slot_mappings(runner, 16, 4, 10)[0]) == set(range(n))

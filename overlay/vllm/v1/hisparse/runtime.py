@@ -390,6 +390,9 @@ class HiSparseRuntime:
         self.virtual_group_ids = frozenset(self.resident_group_ids + self.hot_group_ids)
         """KV-cache groups without an attention module (the runner builds no
         attention metadata for them: one set lookup per group per step)."""
+        self.slotless_group_ids = frozenset(self.hot_group_ids)
+        """KV-cache groups read by block id only: the runner neither pads
+        their slot mappings nor maps their layers to one (P2)."""
         self.source_group_id = source_group_id
         self.tables = tables
         self.ops = ops

@@ -59,20 +59,37 @@ def first_hunk(name: str) -> tuple[str, int, list[str]]:
     return path, start, old
 
 
-def removed_line(name: str) -> tuple[str, str]:
-    text = (ROOT / f"patches/{name}.patch").read_text().splitlines()
-    cur = None
-    for ln in text:
-        if ln.startswith("diff --git "):
-            cur = ln.split(" b/", 1)[1]
-        elif ln.startswith("-") and not ln.startswith("---"):
-            return cur, ln[1:]
+def hunks(name: str):
+    """(file, old-side lines, index of each removed line among them) of
+    every hunk of a patch, its message skipped."""
+    cur, old, removed, in_hunk = None, [], [], False
+    for ln in (ROOT / f"patches/{name}.patch").read_text().splitlines() + ["@@ end"]:
+        if ln.startswith(("diff --git ", "@@")):
+            if in_hunk:
+                yield cur, old, removed
+            old, removed, in_hunk = [], [], ln.startswith("@@") and cur is not None
+            if ln.startswith("diff --git "):
+                cur = ln.split(" b/", 1)[1]
+        elif in_hunk and ln.startswith(("-", " ")):
+            if ln.startswith("-"):
+                removed.append(len(old))
+            old.append(ln[1:])
+
+
+def removed_line(name: str) -> tuple[str, list[str], int]:
+    """(file, old-side lines of the hunk, index in them) of the patch's
+    first removed line. The fixture finds the hunk in the pinned file by
+    its lines, not by the removed line alone (a common line, a `for`
+    header or a bracket, can occur earlier in the file) nor by the hunk's
+    line number (earlier patches of the series may shift it)."""
+    for path, old, removed in hunks(name):
+        if removed:
+            return path, old, removed[0]
     raise AssertionError(f"{name} removes no line")
 
 
 def removes_a_line(name: str) -> bool:
-    text = (ROOT / f"patches/{name}.patch").read_text().splitlines()
-    return any(ln.startswith("-") and not ln.startswith("---") for ln in text)
+    return any(removed for _, _, removed in hunks(name))
 
 
 # The patch the synthetic release conflicts with: the first after SERIES[0]
@@ -97,10 +114,14 @@ def synthetic(tmp_path_factory) -> Path:
     lines[start - 1] = lines[start - 1].rstrip("\n") + "  # 9.9.9\n"
     (tree / path).write_text("".join(lines))
     # 2. a line a later patch removes changes upstream: a real conflict
-    cpath, removed = removed_line(CONFLICTED)
-    text = (tree / cpath).read_text()
-    assert removed in text
-    (tree / cpath).write_text(text.replace(removed, removed + "  # changed in 9.9.9", 1))
+    cpath, hunk, index = removed_line(CONFLICTED)
+    lines = (tree / cpath).read_text().splitlines(keepends=True)
+    plain = [ln.rstrip("\n") for ln in lines]
+    found = [i for i in range(len(plain) - len(hunk) + 1) if plain[i:i + len(hunk)] == hunk]
+    assert len(found) == 1, f"{CONFLICTED}'s hunk occurs {len(found)} times in {cpath}"
+    at = found[0] + index
+    lines[at] = lines[at].rstrip("\n") + "  # changed in 9.9.9\n"
+    (tree / cpath).write_text("".join(lines))
     # 3. upstream ships files at overlay paths, a connector of our name, a field of ours
     (tree / "vllm/v1/hisparse").mkdir()
     (tree / "vllm/v1/hisparse/__init__.py").write_text("")

@@ -83,7 +83,7 @@ class StreamOps:
         self.cuda = device.type == "cuda"
         self.device = device
         self.log: list[tuple[str, ...]] = []
-        self.dma: Any = torch.cuda.Stream(device=device) if self.cuda else "dma"
+        self.dma: Any = self.new_stream("dma")
 
     def compute(self) -> Any:
         return torch.cuda.current_stream() if self.cuda else "compute"

@@ -266,11 +266,11 @@ def _fits(job: ImportJob, name: str, rows: torch.Tensor, width: int) -> bool:
 
 
 class HiSparseImportingConnector(ResidencyClient, ExampleConnector, SupportsHMA):
-
-    NOT_A_HISPARSE_LAYOUT = NOT_A_HISPARSE_LAYOUT
     """The pin's ExampleConnector on the consumer side of P/D, over a
     HiSparse layout (see the module docstring). It exports nothing: the
     prefill instance runs HiSparse off (a kv_both role imports only)."""
+
+    NOT_A_HISPARSE_LAYOUT = NOT_A_HISPARSE_LAYOUT
 
     def __init__(
         self,

@@ -151,10 +151,10 @@ def scheduler_output_view(
 
 
 class HiSparseOffloadingConnector(ResidencyClient, OffloadingConnector):
-
-    NOT_A_HISPARSE_LAYOUT = NOT_A_HISPARSE_LAYOUT
     """OffloadingConnector over the indexer and other groups of a HiSparse
     layout (see the module docstring)."""
+
+    NOT_A_HISPARSE_LAYOUT = NOT_A_HISPARSE_LAYOUT
 
     def __init__(
         self,

@@ -136,6 +136,13 @@ PRESSURE_BLOCKS = {2048: 450, 8192: 840}
 # DeepSeek-V3.2's top-k 2048 makes each hot region 64 blocks: minimum 648
 # at chunk 2048; a 6K prompt fully resident with its regions costs 726.
 DSV32_PRESSURE_BLOCKS = 680
+# The IndexShare model (glm_share, --index-topk-freq 2) has 3 pairs: minimum
+# 382 at chunk 2048, and a 6K prompt fully resident with its regions costs
+# 94 x 4 + 3 x 8 = 400, so PRESSURE_BLOCKS[2048] put it under no pressure
+# (run 39: single6k lost no page). At 392 the CPU simulation
+# (simulate_pressure.py --engine on_share --blocks 392) loses 5 pages in
+# single6k and 140 in concurrent, with no preemption.
+SHARE_PRESSURE_BLOCKS = 392
 # E2E-5, MTP k at chunk 2048 (glm_mtp: 4 pairs as the 4-layer model): the
 # minimum with q = 1 + k (440 for k = 1, 472 for k = 3) + 26, the margin of
 # PRESSURE_BLOCKS[2048]. Needs GPU tuning: lower until single6k loses pages.
@@ -199,7 +206,8 @@ def engine_specs() -> dict[str, dict]:
            audit=False, kind="pressure", tp=1, spec=0, pd=None, **hisparse):
         if blocks == "pressure":
             blocks = (MTP_PRESSURE_BLOCKS[spec] if spec else
-                      DSV32_PRESSURE_BLOCKS if model == "dsv32" else PRESSURE_BLOCKS[chunk])
+                      DSV32_PRESSURE_BLOCKS if model == "dsv32" else
+                      SHARE_PRESSURE_BLOCKS if model == "glm_share" else PRESSURE_BLOCKS[chunk])
         return with_spec(dict(model=model, mode=mode, chunk=chunk,
                               hisparse={"host_pool_gib": 2, **hisparse}, blocks=blocks,
                               offload=offload, audit=audit, kind=kind, tp=tp,

@@ -56,12 +56,16 @@ def staged_pages(so, worker: SimWorker, scheduler) -> int:
     return max(per_len.values(), default=0)
 
 
-def simulate(engine: str, scenario: str, host_blocks: int) -> dict:
+def simulate(engine: str, scenario: str, host_blocks: int,
+             blocks_override: int | None = None) -> dict:
     spec = engine_specs()[engine]
     chunk = spec["chunk"]
-    blocks = spec["blocks"] or 50000
+    blocks = blocks_override or spec["blocks"] or 50000
+    args, topk = MODELS[spec["model"]]
+    # IndexShare models (--index-topk-freq N) have fewer resident/hot pairs.
+    freq = int(args[args.index("--index-topk-freq") + 1]) if "--index-topk-freq" in args else 1
     config = hisparse_kv_cache_config(
-        num_gpu_blocks=blocks, num_host_blocks=host_blocks, index_topk=MODELS[spec["model"]][1],
+        num_gpu_blocks=blocks, num_host_blocks=host_blocks, index_topk=topk, freq=freq,
         admission_max_tokens=spec["hisparse"].get("admission_max_tokens", chunk))
     with tempfile.TemporaryDirectory() as tmp:
         s = make_scheduler(Path(tmp), config, max_num_seqs=8, max_num_batched_tokens=chunk,
@@ -102,11 +106,13 @@ def main() -> None:
     ap.add_argument("--engine", default="on_c2k")
     ap.add_argument("--host-blocks", type=int, default=12000)
     ap.add_argument("--scenario", default=None, help="default: the engine's plan")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="the GPU pool in blocks (default: the engine's)")
     a = ap.parse_args()
     names = a.scenario.split(",") if a.scenario else [
         s for s in ON_PLAN[a.engine] if s != "fault_probe"]
     for scenario in names:
-        print(simulate(a.engine, scenario, a.host_blocks), flush=True)
+        print(simulate(a.engine, scenario, a.host_blocks, a.blocks), flush=True)
 
 
 if __name__ == "__main__":

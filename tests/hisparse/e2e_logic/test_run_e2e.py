@@ -50,6 +50,27 @@ def test_pressure_pools_sit_a_little_above_the_minimum(chunk):
     assert e2e.cdiv(12000, 64) * 5 > e2e.PRESSURE_BLOCKS[chunk]
 
 
+def test_the_index_share_pool_puts_single6k_under_pressure():
+    """T1 (E2E-1 on IndexShare): the glm_share engines' pool sits above
+    their own layout's minimum (3 pairs) and below a fully resident 6K
+    request with its hot regions, and the real scheduler with the simulated
+    worker loses pages there without preempting. At the 4-pair model's
+    pool (450) nothing was lost (run 39 on the H200, and the simulation)."""
+    import simulate_pressure
+
+    lay = layout(freq=2)
+    admission = lay.request_blocks(e2e.MAX_MODEL_LEN).admission
+    pool = SPECS["on_share"]["blocks"]
+    assert pool == SPECS["on_share_pf"]["blocks"] == e2e.SHARE_PRESSURE_BLOCKS
+    hot = lay.num_pairs * e2e.cdiv(2 * e2e.INDEX_TOPK, 64)
+    assert admission < pool < e2e.cdiv(6000, 64) * (1 + lay.num_pairs) + hot
+    got = simulate_pressure.simulate("on_share", "single6k", host_blocks=12000)
+    assert got["finished"] and got["preemptions"] == 0 and got["lost_pages"] > 0
+    calm = simulate_pressure.simulate("on_share", "single6k", host_blocks=12000,
+                                      blocks_override=e2e.PRESSURE_BLOCKS[2048])
+    assert calm["lost_pages"] == 0
+
+
 def test_the_deepseek_v32_model_and_its_pressure_pool(tmp_path):
     """Issue 17 item 4: the tiny DeepSeek-V3.2 (make_tiny_glm5.py --arch
     dsv32) is the architecture vLLM resolves to its DeepSeek-V3 model code

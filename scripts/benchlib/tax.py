@@ -58,6 +58,10 @@ MODE_DOC = {"default": "vLLM's default (async scheduling, FULL_AND_PIECEWISE)",
 # fp8_ds_mla: 656-B MLA rows + the indexer's, per token and layer (the e2e
 # engines' 2 GiB hold ~680K tokens at 4 layers: ~790 B per token and layer).
 BYTES_PER_TOKEN_LAYER = 800
+# IndexShare layouts lease whole slab blocks per group, so fewer layers pay
+# more per layer: 8 layers at freq 4 cost ~1,310 B per token and layer
+# fully resident (test_tax.py checks the documented shapes on the layout).
+BYTES_PER_TOKEN_LAYER_SHARED = 1400
 GIB = 1 << 30
 
 
@@ -86,8 +90,11 @@ class TaxConfig:
     compilation_extra: dict = field(default_factory=dict)
     upstream_compilation_extra: dict = field(default_factory=dict)
     seed: int = 0
+    index_topk_freq: int = 1  # >1: IndexShare (layers share a top-k in groups)
 
     def validate(self) -> None:
+        if self.index_topk_freq < 1:
+            raise ValueError("--index-topk-freq must be >= 1")
         if not self.arms:
             raise ValueError("no arm given")
         for a in self.arms:
@@ -117,7 +124,9 @@ class TaxConfig:
         at once, at least 1 GiB, in 0.25 GiB steps: nothing is evicted, no
         page leaves the GPU (no pressure)."""
         tokens = sum(self.batches) * (self.prompt_len + self.n + self.m + 128)
-        need = 2 * tokens * BYTES_PER_TOKEN_LAYER * layers / GIB
+        per_layer = (BYTES_PER_TOKEN_LAYER if self.index_topk_freq == 1
+                     else BYTES_PER_TOKEN_LAYER_SHARED)
+        need = 2 * tokens * per_layer * layers / GIB
         return max(1.0, math.ceil(need * 4) / 4)
 
     def kv_bytes(self, layers: int) -> int:
@@ -170,6 +179,44 @@ def llm_kwargs(cfg: TaxConfig, arm: str, mode: str, layers: int, model_dir: str)
                 "kv_connector": "HiSparseConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"host_pool_gib": cfg.host_gib(layers)}}
     return kw
+
+
+def model_dir_name(layers: int, index_topk_freq: int = 1) -> str:
+    share = f"_f{index_topk_freq}" if index_topk_freq > 1 else ""
+    return f"tiny_glm5_L{layers}{share}"
+
+
+# tests/e2e/make_tiny_glm5.py's attention shapes (GLM-5's), which the layout
+# reads; tests/hisparse/bench/test_tax.py checks them against its config.
+TINY_ATTENTION = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
+                  "index_topk": 256}
+
+
+def strided_layer_counts(cfg: TaxConfig) -> list[int] | None:
+    """The --layers whose HiSparse layout needs strided attention addressing,
+    which binding refuses (docs/worker.md K8): only a block that is a whole
+    number of 656-B-row pages is flat (e.g. 4 layers, or 8..64 with
+    --index-topk-freq 4). None when vLLM is not importable here (no check)."""
+    if not any(ARMS[a]["vllm"] == "ours" and ARMS[a]["hisparse"] for a in cfg.arms):
+        return []
+    try:
+        from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
+        from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
+    except ImportError:
+        return None
+    topk = TINY_ATTENTION["index_topk"]
+    params = HiSparseParams(index_topk=topk, max_decode_query_len=1,
+                            device_buffer_size=2 * topk,
+                            admission_max_tokens=cfg.max_model_len, host_pool_bytes=0)
+    strided = []
+    for layers in cfg.layers:
+        hf = {**TINY_ATTENTION, "num_hidden_layers": layers,
+              "index_topk_freq": cfg.index_topk_freq}
+        layout = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64),
+                                       params)
+        if layout.addressing == "strided":
+            strided.append(layers)
+    return strided
 
 
 def engine_key(mode: str, layers: int, arm: str) -> str:
@@ -594,6 +641,10 @@ def merge(reports: list[Mapping], sources: list[str]) -> dict:
     another, upstream in a third): samples renumbered by run, engines and
     profiles keyed by run, summaries and verdicts recomputed."""
     samples, engines_info, profiles, runs, failures = [], {}, {}, [], []
+    freqs = {(rep.get("config") or {}).get("index_topk_freq", 1) for rep in reports}
+    if len(freqs) > 1:
+        raise ValueError(f"the runs serve different models (index_topk_freq {sorted(freqs)}): "
+                         "their fits cannot be merged")
     for i, (rep, src) in enumerate(zip(reports, sources)):
         if rep.get("schema") != SCHEMA:
             raise ValueError(f"{src}: not a {SCHEMA} report (schema {rep.get('schema')!r})")

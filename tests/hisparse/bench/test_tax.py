@@ -15,8 +15,9 @@ DOC_COMMANDS = {  # docs/benchmarks.md: one device call each
     "tax-4": dict(modes=["default", "fdo"], layers=[4],
                   arms=["off", "on", "on_offload", "on_lazy"], profile=True,
                   profile_batches=[16]),
-    "tax-32-default": dict(modes=["default"], layers=[32]),
-    "tax-32-fdo": dict(modes=["fdo"], layers=[32]),
+    # P2's split on GLM-5.x's IndexShare geometry (flat at 8..64 layers)
+    "tax-split-default": dict(modes=["default"], layers=[8, 32], index_topk_freq=4),
+    "tax-split-fdo": dict(modes=["fdo"], layers=[8, 32], index_topk_freq=4),
     "tax-upstream": dict(modes=["default", "fdo"], layers=[4], arms=["u_off", "u_on"],
                          profile=True, profile_batches=[16]),
     "mirror": dict(modes=["default", "fdo"], layers=[4], arms=["on", "on_lazy"], batches=[16]),
@@ -116,8 +117,8 @@ def test_vllm_accepts_our_engine_arguments(arm, mode, tmp_path):
     assert vc.cache_config.kv_cache_memory_bytes == kw["kv_cache_memory_bytes"]
 
 
-@pytest.mark.parametrize("layers", [4, 32])
-def test_auto_pools_hold_every_prompt_fully_resident(layers):
+@pytest.mark.parametrize("layers, freq", [(4, 1), (32, 1), (8, 4), (32, 4)])
+def test_auto_pools_hold_every_prompt_fully_resident(layers, freq):
     """No pressure by construction: the GPU pool holds every batch's prompts
     fully resident (one indexer + every resident group's page per 64
     tokens, the real layout's bytes per block) with room to spare, and the
@@ -126,9 +127,8 @@ def test_auto_pools_hold_every_prompt_fully_resident(layers):
     from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
     from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 
-    c = cfg(layers=[layers])
-    hf = {"num_hidden_layers": layers, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-          "index_head_dim": 128, "index_topk": 256, "index_topk_freq": 1}
+    c = cfg(layers=[layers], index_topk_freq=freq)
+    hf = {**tax.TINY_ATTENTION, "num_hidden_layers": layers, "index_topk_freq": freq}
     params = HiSparseParams(index_topk=256, max_decode_query_len=1, device_buffer_size=512,
                             admission_max_tokens=c.max_model_len, host_pool_bytes=0)
     lay = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
@@ -148,6 +148,56 @@ def test_prompts_are_the_same_in_every_arm_and_differ_by_batch():
     assert a == b and len(a) == 8 and all(len(p["prompt_token_ids"]) == 100 for p in a)
     assert prompts_for(16, 100, 0)[:8] != a
     assert all(2 <= t < 8192 for p in a for t in p["prompt_token_ids"])
+
+
+def test_the_tiny_attention_shapes_are_the_generated_models(tmp_path):
+    """The layout check reads TINY_ATTENTION; it must be what
+    make_tiny_glm5.py writes (and ensure_model builds with the freq)."""
+    from benchlib import common
+
+    path = common.ensure_model(tmp_path / tax.model_dir_name(8, 4), 8, 16384,
+                               index_topk_freq=4)
+    hf = json.loads((path / "config.json").read_text())
+    assert {k: hf[k] for k in tax.TINY_ATTENTION} == tax.TINY_ATTENTION
+    assert hf["num_hidden_layers"] == 8 and hf["index_topk_freq"] == 4
+    assert tax.model_dir_name(4) == "tiny_glm5_L4" != tax.model_dir_name(4, 2)
+
+
+@pytest.mark.parametrize("layers, freq, strided", [
+    ([4], 1, []), ([4, 32], 1, [32]), ([8, 16], 1, [8, 16]), ([8, 32, 60], 4, []),
+])
+def test_layer_counts_with_strided_layouts_are_named(layers, freq, strided):
+    """Binding refuses strided attention addressing (docs/worker.md K8):
+    run 4's 32-layer engine failed on it after starting; bench-tax now
+    names such layer counts before any engine starts."""
+    assert tax.strided_layer_counts(cfg(layers=layers, index_topk_freq=freq)) == strided
+    off_only = cfg(layers=layers, index_topk_freq=freq, arms=["off"])
+    assert tax.strided_layer_counts(off_only) == []
+
+
+def test_bench_tax_refuses_a_strided_layer_count_in_one_line():
+    import subprocess
+    import sys
+
+    from benchlib import common
+
+    script = common.REPO / "scripts" / "bench-tax"
+    bad = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "4,32"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--layers 32 with --index-topk-freq 1" in bad.stderr
+    good = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "8,32",
+                           "--index-topk-freq", "4", "--modes", "fdo"],
+                          capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert "tiny_glm5_L32_f4" in good.stdout
+
+
+def test_merge_refuses_runs_of_different_models():
+    base = {"schema": tax.SCHEMA, "samples": [], "runs": [{}]}
+    with pytest.raises(ValueError, match="different models"):
+        tax.merge([{**base, "config": {"index_topk_freq": 1}},
+                   {**base, "config": {"index_topk_freq": 4}}], ["a.json", "b.json"])
 
 
 # ----------------------------------------------------------------- plan

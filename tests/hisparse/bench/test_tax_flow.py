@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchlib import common
+from benchlib import common, tax
 
 HERE = Path(__file__).resolve().parent
 
@@ -18,11 +18,14 @@ HERE = Path(__file__).resolve().parent
 def tax_cmd(bench_tax, monkeypatch, tmp_path):
     monkeypatch.setattr(common, "has_gpu", lambda: True)
 
-    def model(path, layers, max_pos, python=sys.executable):
+    def model(path, layers, max_pos, python=sys.executable, index_topk_freq=1):
         Path(path).mkdir(parents=True, exist_ok=True)
         return Path(path)
 
     monkeypatch.setattr(common, "ensure_model", model)
+    # 32 layers make a strided layout, which a real run refuses
+    # (test_tax.py); the stand-in engines serve any layer count.
+    monkeypatch.setattr(tax, "strided_layer_counts", lambda cfg: [])
     monkeypatch.setattr(bench_tax.Run, "worker_command", [sys.executable, str(HERE / "fake_engine.py")])
     calls = tmp_path / "calls.log"
     monkeypatch.setenv("FAKE_ENGINE_LOG", str(calls))
@@ -120,7 +123,8 @@ def test_merge_of_two_runs(tax_cmd, bench_tax, tmp_path):
 
 def test_dry_run_starts_nothing(bench_tax, capsys, monkeypatch):
     monkeypatch.setattr(common, "has_gpu", lambda: pytest.fail("dry run looked for a GPU"))
-    assert bench_tax.main(["--dry-run", "--layers", "4,32", "--arms", "off,on,u_on"]) == 0
+    assert bench_tax.main(["--dry-run", "--layers", "8,32", "--index-topk-freq", "4",
+                           "--arms", "off,on,u_on"]) == 0
     out = capsys.readouterr().out
     assert "default/L32/u_on" in out and "HiSparseConnector" in out
     assert "estimate: engine starts" in out

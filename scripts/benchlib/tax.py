@@ -26,6 +26,10 @@ SCHEMA = "bench-tax/1"
 ARMS: dict[str, dict] = {
     "off": {"vllm": "ours", "hisparse": False,
             "doc": "HiSparse off, sparse_mla_force_mqa=True (the prefill path HiSparse forces)"},
+    "off_b": {"vllm": "ours", "hisparse": False,
+              "doc": "a second off engine on its own cores (A/A control: off_b/off is the "
+                     "method's floor; a ratio away from 1 is process or core placement, "
+                     "not HiSparse)"},
     "on": {"vllm": "ours", "hisparse": True, "eager_host_mirror": True,
            "doc": "HiSparse on, no pressure: ample GPU pool, resident window = max_model_len"},
     "on_offload": {"vllm": "ours", "hisparse": True, "eager_host_mirror": True, "offload": True,
@@ -47,6 +51,7 @@ RATIOS = (
     ("on", "on_lazy", "p6"),
     ("on_step", "on", "k7_zero_miss"),
     ("u_on", "u_off", "upstream_p2"),
+    ("off_b", "off", "aa_control"),
 )
 MODES = {
     "default": {},  # vLLM's defaults: async scheduling, FULL_AND_PIECEWISE
@@ -378,6 +383,7 @@ def evaluate(summary: Mapping) -> dict:
     ours = _ratio_map(summary, "on/off", layers=TINY_LAYERS)
     up = _ratio_map(summary, "u_on/u_off", layers=TINY_LAYERS)
     offload = _ratio_map(summary, "on_offload/on", layers=TINY_LAYERS)
+    aa = _ratio_map(summary, "off_b/off")
     return {
         "P2": targets.p2(ours),
         "P2_split": targets.p2_split({(m, int(b)): f for m, fb in fit.items()
@@ -385,10 +391,25 @@ def evaluate(summary: Mapping) -> dict:
         "P6": targets.p6(p6),
         "P8_tax": targets.p8_tax(ours, up),
         "offload_adds_nothing": offload_verdict(offload),
+        "aa_control": aa_verdict(aa),
     }
 
 
 OFFLOAD_TOLERANCE = 0.02
+AA_TOLERANCE = 0.05
+
+
+def aa_verdict(ratios: Mapping[tuple[str, int], float]) -> dict:
+    """The method's floor, not a target: two identical off engines on their
+    own cores (off_b / off) should agree within 5%. Where they do not, a
+    ratio of that size between on and off says nothing about HiSparse."""
+    measured = {f"{m}/batch{b}": {"ratio": round(r, 4),
+                                  "pass": abs(r - 1) <= AA_TOLERANCE}
+                for (m, b), r in sorted(ratios.items())}
+    ok = all(v["pass"] for v in measured.values()) if measured else None
+    return {"id": "aa_control",
+            "target": f"|off_b / off - 1| <= {AA_TOLERANCE} (the method's floor)",
+            "pass": ok, "measured": measured, "why": "" if measured else "needs arm off_b"}
 
 
 def offload_verdict(ratios: Mapping[tuple[str, int], float]) -> dict:

@@ -342,9 +342,34 @@ def test_report_schema():
     for key in ("command", "config", "arms", "modes", "method", "runs", "engines", "summary",
                 "fit", "targets", "profile", "profile_diff", "samples", "failures"):
         assert key in rep
-    assert set(rep["targets"]) == {"P2", "P2_split", "P6", "P8_tax", "offload_adds_nothing"}
+    assert set(rep["targets"]) == {"P2", "P2_split", "P6", "P8_tax", "offload_adds_nothing",
+                                   "aa_control"}
     assert rep["targets"]["P2"]["target"] == targets.TEXT["P2"]
     json.dumps(rep)
+
+
+def test_the_aa_control_judges_the_method_not_hisparse():
+    """off_b is a second off engine with off's arguments; off_b/off is the
+    method's floor (run 4 could not tell process effects from HiSparse's):
+    within 5% passes, a 1.2x gap between identical engines fails it."""
+    c = cfg(arms=["off", "off_b", "on"])
+    assert tax.llm_kwargs(c, "off_b", "fdo", 4, "/m") == tax.llm_kwargs(c, "off", "fdo", 4, "/m")
+    close = tax.build_report(cfg=c, command="x", samples=samples({
+        "off": {("fdo", 4, 1): 2.0, ("fdo", 4, 16): 2.5},
+        "off_b": {("fdo", 4, 1): 2.04, ("fdo", 4, 16): 2.45},
+        "on": {("fdo", 4, 1): 2.6, ("fdo", 4, 16): 3.0}}),
+        engines_info={}, profiles={}, runs=[{}], failures=[])
+    aa = close["targets"]["aa_control"]
+    assert aa["pass"] is True and aa["measured"]["fdo/batch1"]["ratio"] == pytest.approx(1.02)
+    assert close["summary"]["fdo"]["4"]["1"]["ratios"]["off_b/off"]["what"] == "aa_control"
+    far = tax.build_report(cfg=c, command="x", samples=samples({
+        "off": {("fdo", 4, 1): 2.0}, "off_b": {("fdo", 4, 1): 2.4}}),
+        engines_info={}, profiles={}, runs=[{}], failures=[])
+    assert far["targets"]["aa_control"]["pass"] is False
+    none = tax.build_report(cfg=cfg(), command="x", samples=samples({
+        "off": {("fdo", 4, 1): 2.0}, "on": {("fdo", 4, 1): 2.4}}),
+        engines_info={}, profiles={}, runs=[{}], failures=[])
+    assert none["targets"]["aa_control"]["pass"] is None
 
 
 # -------------------------------------------------------------- profile

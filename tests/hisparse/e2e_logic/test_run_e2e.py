@@ -369,7 +369,7 @@ def test_the_next_sessions_e2e_commands_parse():
     table lists names engines and a weight variant the driver knows, in an
     order it accepts (a typo there would only show on the GPU)."""
     commands = next_session_e2e_commands()
-    assert len(commands) >= 2
+    assert commands  # the table lists at least one e2e call (else this checks nothing)
     for variant, engines in commands:
         a = e2e.parse_args(["--out", "x", "--variant", variant, "--engines", engines])
         assert a.engines == engines.split(",") and a.variant == variant

@@ -153,7 +153,17 @@ class Engine:
         return {"warmup_s": self.timed(batch, m)}
 
     def sample(self, batch: int, n: int, m: int) -> dict:
-        return {"t_short_s": self.timed(batch, m), "t_long_s": self.timed(batch, n + m)}
+        """Wall times of M and N + M new tokens, and the CPU time the engine's
+        processes spent in each: a decode step that costs more CPU than
+        wall time has threads burning cores beside the one that steps."""
+        c0 = process_tree_cpu_s()
+        t_short = self.timed(batch, m)
+        c1 = process_tree_cpu_s()
+        t_long = self.timed(batch, n + m)
+        c2 = process_tree_cpu_s()
+        return {"t_short_s": t_short, "t_long_s": t_long,
+                "cpu_short_s": c1 - c0, "cpu_long_s": c2 - c1,
+                "threads": thread_counts()}
 
     def profile(self, batch: int, n: int, m: int) -> dict:
         from torch.autograd import DeviceType
@@ -218,6 +228,41 @@ class Engine:
         except Exception:  # noqa: BLE001 - the process exits next anyway
             pass
         return {}
+
+
+def _tree():
+    import psutil  # a vLLM dependency
+
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def process_tree_cpu_s() -> float:
+    """User + system CPU seconds of this process and its children (vLLM's
+    EngineCore), every thread included."""
+    import psutil
+
+    total = 0.0
+    for proc in _tree():
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def thread_counts() -> list[int]:
+    """OS threads of this process and of each child, in that order."""
+    import psutil
+
+    out = []
+    for proc in _tree():
+        try:
+            out.append(proc.num_threads())
+        except psutil.Error:
+            continue
+    return out
 
 
 def python_key(path: str, line: int, fn: str) -> str:

@@ -288,10 +288,21 @@ def estimate_s(cfg: TaxConfig) -> dict:
 
 
 def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm: str,
-                  position: int, t_short_s: float, t_long_s: float, n: int) -> dict:
-    return {"run": run, "mode": mode, "layers": layers, "batch": batch, "rep": rep,
-            "arm": arm, "position": position, "t_short_s": t_short_s, "t_long_s": t_long_s,
-            "n": n, "ms_per_step": stats.decode_ms(t_short_s, t_long_s, n)}
+                  position: int, t_short_s: float, t_long_s: float, n: int,
+                  cpu_short_s: float | None = None, cpu_long_s: float | None = None,
+                  threads: list[int] | None = None) -> dict:
+    """One sample; with the engine's CPU seconds (every process and thread)
+    over the same two generations, ``cpu_ms_per_step`` is the CPU time a
+    decode step costs, by the same (N + M) - M difference as its wall time."""
+    rec = {"run": run, "mode": mode, "layers": layers, "batch": batch, "rep": rep,
+           "arm": arm, "position": position, "t_short_s": t_short_s, "t_long_s": t_long_s,
+           "n": n, "ms_per_step": stats.decode_ms(t_short_s, t_long_s, n)}
+    if cpu_short_s is not None and cpu_long_s is not None:
+        rec.update(cpu_short_s=cpu_short_s, cpu_long_s=cpu_long_s,
+                   cpu_ms_per_step=stats.decode_ms(cpu_short_s, cpu_long_s, n))
+    if threads is not None:
+        rec["threads"] = threads
+    return rec
 
 
 def summarize(samples: Iterable[Mapping]) -> dict:
@@ -306,6 +317,16 @@ def summarize(samples: Iterable[Mapping]) -> dict:
     for (mode, L, b), arms in sorted(cells.items()):
         cell = {"arms": {a: stats.spread([s["ms_per_step"] for s in ss])
                          for a, ss in sorted(arms.items())}, "ratios": {}}
+        cpu = {a: stats.spread([s["cpu_ms_per_step"] for s in ss])
+               for a, ss in sorted(arms.items()) if all("cpu_ms_per_step" in s for s in ss)}
+        if cpu:
+            # CPU ms per decode step over wall ms: ~1 is one busy thread;
+            # well above 1, other threads burn cores beside it.
+            cell["cpu"] = {}
+            for a, c in cpu.items():
+                wall = cell["arms"][a].get("median")
+                cell["cpu"][a] = {**c, "busy_cores": (c["median"] / wall
+                                                      if c.get("median") and wall else None)}
         for num, den, what in RATIOS:
             if num in arms and den in arms:
                 cell["ratios"][f"{num}/{den}"] = ratio(arms[num], arms[den], what)

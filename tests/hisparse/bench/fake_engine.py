@@ -50,7 +50,10 @@ def main() -> int:
         elif op == "sample":
             ms = step_ms(spec, cmd["batch"])
             t_short = 0.05 + cmd["m"] * ms / 1e3
-            reply = {"t_short_s": t_short, "t_long_s": t_short + cmd["n"] * ms / 1e3}
+            t_long = t_short + cmd["n"] * ms / 1e3
+            busy = 1.3 if hisparse else 1.0  # CPU seconds per wall second, computed
+            reply = {"t_short_s": t_short, "t_long_s": t_long, "cpu_short_s": busy * t_short,
+                     "cpu_long_s": busy * t_long, "threads": [3, 40]}
             if os.environ.get("FAKE_ENGINE_LOG"):
                 with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
                     f.write(f"{key} {cmd['batch']}\n")

@@ -482,3 +482,38 @@ def test_engines_get_disjoint_equal_core_sets():
     assert sets == [[0, 1], [2, 3]]
     assert tax.cpu_sets([0, 1], 3) == [[], [], []]  # too few cores: no pinning
     assert tax.cpu_sets([0, 1], 0) == []
+
+
+def test_cpu_time_per_step_and_busy_cores():
+    """Run 4 left open whether the on arm's process burns more CPU than its
+    steps need (threads spinning beside the stepping one): a sample with the
+    engine's CPU seconds gets cpu_ms_per_step by the same (N + M) - M
+    difference, and the summary its ratio to the wall time per arm."""
+    s = tax.sample_record(run=0, mode="fdo", layers=4, batch=16, rep=0, arm="on",
+                          position=0, t_short_s=1.0, t_long_s=1.256, n=128,
+                          cpu_short_s=1.5, cpu_long_s=1.884, threads=[4, 61])
+    assert s["ms_per_step"] == pytest.approx(2.0)
+    assert s["cpu_ms_per_step"] == pytest.approx(3.0) and s["threads"] == [4, 61]
+    plain = tax.sample_record(run=0, mode="fdo", layers=4, batch=16, rep=0, arm="off",
+                              position=1, t_short_s=1.0, t_long_s=1.256, n=128)
+    assert "cpu_ms_per_step" not in plain
+    summary = tax.summarize([s, plain])
+    cell = summary["fdo"]["4"]["16"]
+    assert cell["cpu"]["on"]["busy_cores"] == pytest.approx(1.5)
+    assert "off" not in cell["cpu"]  # no CPU figures: not reported
+
+
+def test_the_engine_measures_its_process_trees_cpu_time():
+    """engine_worker's CPU clock covers this process (and any children):
+    it advances by about the CPU a busy loop burns."""
+    import time
+
+    from benchlib import engine_worker
+
+    c0, t0 = engine_worker.process_tree_cpu_s(), time.perf_counter()
+    while time.perf_counter() - t0 < 0.2:
+        pass
+    burned = engine_worker.process_tree_cpu_s() - c0
+    assert 0.1 < burned < 2.0
+    threads = engine_worker.thread_counts()
+    assert threads and threads[0] >= 1

@@ -51,6 +51,11 @@ def test_full_run(tax_cmd, tmp_path):
     assert first == ["off", "on", "on_offload", "on_lazy", "on", "on_offload", "on_lazy", "off"]
     cell = rep["summary"]["fdo"]["4"]["16"]
     assert cell["ratios"]["on/off"]["ratio_of_medians"] == pytest.approx(1.5)
+    # the engines' CPU time per step beside the wall time (the stand-in's
+    # HiSparse arms burn 1.3 cores per stepping one)
+    assert cell["cpu"]["off"]["busy_cores"] == pytest.approx(1.0)
+    assert cell["cpu"]["on"]["busy_cores"] == pytest.approx(1.3)
+    assert rep["samples"][0]["threads"] == [3, 40]
     assert cell["ratios"]["on_offload/on"]["ratio_of_medians"] == pytest.approx(1.01)
     assert cell["ratios"]["on/on_lazy"]["ratio_of_medians"] == pytest.approx(1.5 / 1.4)
     # fake tax = 0.5 x (0.5 + 0.1 b) x L / 4 ms: no fixed part, 262.5 us per layer at b=16

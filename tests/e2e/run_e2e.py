@@ -102,6 +102,9 @@ MODELS = {  # name -> make_tiny_glm5.py arguments, index_topk
     "dsv32": (["--arch", "dsv32"], 2048),
     # Issue 17 item 2: GLM-5's per-rank shapes at TP 4 and 8 (64 heads / TP)
     "glm_h16": (["--heads", "16"], INDEX_TOPK),
+    # docs/worker.md K8: 8 layers make a strided layout (Sa = B), which
+    # binding serves only on STRIDED_ENV until this model passes the gate
+    "glm_l8": (["--layers", "8"], INDEX_TOPK),
     "glm_h8": (["--heads", "8"], INDEX_TOPK),
     # E2E-5 (docs/mtp.md 4): 3 layers + 1 MTP layer, flat addressing with 4
     # pairs (4 layers + MTP would be strided, which binding refuses)
@@ -143,6 +146,12 @@ DSV32_PRESSURE_BLOCKS = 680
 # (simulate_pressure.py --engine on_share --blocks 392) loses 5 pages in
 # single6k and 140 in concurrent, with no preemption.
 SHARE_PRESSURE_BLOCKS = 392
+# The 8-layer model (glm_l8, strided): 8 pairs, minimum 592 at chunk 2048;
+# a 6K prompt fully resident with its regions costs 94 x 9 + 8 x 8 = 910.
+# At 620 the CPU simulation (simulate_pressure.py --engine on_l8) loses
+# pages in single6k and concurrent, with no preemption.
+L8_PRESSURE_BLOCKS = 620
+STRIDED_MODELS = ("glm_l8",)
 # E2E-5, MTP k at chunk 2048 (glm_mtp: 4 pairs as the 4-layer model): the
 # minimum with q = 1 + k (440 for k = 1, 472 for k = 3) + 26, the margin of
 # PRESSURE_BLOCKS[2048]. Needs GPU tuning: lower until single6k loses pages.
@@ -196,6 +205,7 @@ def engine_specs() -> dict[str, dict]:
                  "off_fdo": off(mode="fdo"), "off_share": off(model="glm_share"),
                  "off_tp2": off(tp=2), "off_dsv32": off(model="dsv32"),
                  "off_h16": off(model="glm_h16"), "off_h8": off(model="glm_h8"),
+                 "off_l8": off(model="glm_l8"),
                  **{f"off_{t}": off(model="glm_mtp", mode=m, spec=k)
                     for t, (k, m) in MTP_TAGS.items()},
                  # P/D: computes the prompts itself (tokens beside on_pd; its
@@ -207,7 +217,8 @@ def engine_specs() -> dict[str, dict]:
         if blocks == "pressure":
             blocks = (MTP_PRESSURE_BLOCKS[spec] if spec else
                       DSV32_PRESSURE_BLOCKS if model == "dsv32" else
-                      SHARE_PRESSURE_BLOCKS if model == "glm_share" else PRESSURE_BLOCKS[chunk])
+                      SHARE_PRESSURE_BLOCKS if model == "glm_share" else
+                      L8_PRESSURE_BLOCKS if model == "glm_l8" else PRESSURE_BLOCKS[chunk])
         return with_spec(dict(model=model, mode=mode, chunk=chunk,
                               hisparse={"host_pool_gib": 2, **hisparse}, blocks=blocks,
                               offload=offload, audit=audit, kind=kind, tp=tp,
@@ -257,6 +268,8 @@ def engine_specs() -> dict[str, dict]:
         # Issue 17 item 2: 16 and 8 heads per rank (GLM-5 at TP 4 and 8)
         "off_h16": off(model="glm_h16"),
         "on_h16": on(model="glm_h16", offload=True),
+        "off_l8": off(model="glm_l8"),
+        "on_l8": on(model="glm_l8", offload=True),
         "off_h8": off(model="glm_h8"),
         "on_h8": on(model="glm_h8", offload=True),
         # E2E-10, two GPUs: one host pool shared by both ranks (rank 0 writes).
@@ -291,7 +304,7 @@ def with_spec(spec: dict, k: int) -> dict:
 REPLAYS = {
     "rep_c2k": "off_c2k", "rep_c8k": "off_c8k", "rep_eager": "off_eager",
     "rep_fdo": "off_fdo", "rep_share": "off_share", "rep_tp2": "off_tp2",
-    "rep_dsv32": "off_dsv32", "rep_h16": "off_h16", "rep_h8": "off_h8",
+    "rep_dsv32": "off_dsv32", "rep_h16": "off_h16", "rep_h8": "off_h8", "rep_l8": "off_l8",
     **{f"rep_{t}": f"off_{t}" for t in MTP_TAGS}, "rep_pd": "off_pd",
 }
 """Replay engine -> the off engine whose configuration it has; it replays
@@ -308,6 +321,7 @@ REFERENCE = {
     "on_eager": "off_eager", "on_fdo": "off_fdo", "on_share": "off_share",
     "on_share_pf": "off_share",
     "on_tp2": "off_tp2", "on_dsv32": "off_dsv32", "on_h16": "off_h16", "on_h8": "off_h8",
+    "on_l8": "off_l8",
     **{f"on_{t}": f"off_{t}" for t in MTP_TAGS}, "on_mtp3_audit": "off_mtp3",
     "on_pd": "off_pd",
 }
@@ -337,6 +351,7 @@ ON_PLAN = {
     # mixed prefill/decode batches (concurrent, equal_followups) on the
     # separate FP8 path with padded heads
     "on_h16": ["single6k", "concurrent", "equal_followups", "fault_probe"],
+    "on_l8": ["single6k", "concurrent", "host_prefix", "fault_probe"],
     "on_h8": ["single6k", "concurrent", "equal_followups", "fault_probe"],
     # E2E-5: host_prefix drops the common hit's last token under MTP (R8)
     **{f"on_{t}": ["single6k", "concurrent", "host_prefix", "fault_probe"] for t in MTP_TAGS},
@@ -361,6 +376,7 @@ ENGINE_IDS = {
     "on_share": "IndexShare", "on_share_pf": "IndexShare, 2.10 (followers prefetched)",
     "on_tp2": "E2E-10", "on_dsv32": "DeepSeek-V3.2",
     "on_h16": "16 heads per rank", "on_h8": "8 heads per rank",
+    "on_l8": "8 layers, strided addressing (K8)",
     **{f"on_{t}": f"E2E-5 (MTP {k}{', E2E-3' if m == 'fdo' else ''})"
        for t, (k, m) in MTP_TAGS.items()},
     "on_mtp3_audit": "E2E-5, F2 (mirror audit, MTP 3)",
@@ -649,6 +665,10 @@ def engine_env(spec: dict, plan: list[str]) -> dict[str, str]:
         env[DEBUG_ENV] = "1"
     if spec["hisparse"] is not None and "fault_probe" in plan:
         env[FAULTS_ENV] = "1"
+    if spec["hisparse"] is not None and spec["model"] in STRIDED_MODELS:
+        from vllm.v1.hisparse.binding import STRIDED_ENV
+
+        env[STRIDED_ENV] = "1"
     return env
 
 
@@ -950,7 +970,8 @@ def p2(llm) -> dict:
 
 
 MODEL_DIRS = {"glm": "tiny_glm5", "glm_share": "tiny_glm5_share", "dsv32": "tiny_dsv32",
-              "glm_h16": "tiny_glm5_h16", "glm_h8": "tiny_glm5_h8", "glm_mtp": "tiny_glm5_mtp"}
+              "glm_h16": "tiny_glm5_h16", "glm_h8": "tiny_glm5_h8", "glm_mtp": "tiny_glm5_mtp",
+              "glm_l8": "tiny_glm5_l8"}
 
 
 def make_models(stage: Path) -> dict[str, Path]:

@@ -62,10 +62,14 @@ def simulate(engine: str, scenario: str, host_blocks: int,
     chunk = spec["chunk"]
     blocks = blocks_override or spec["blocks"] or 50000
     args, topk = MODELS[spec["model"]]
-    # IndexShare models (--index-topk-freq N) have fewer resident/hot pairs.
-    freq = int(args[args.index("--index-topk-freq") + 1]) if "--index-topk-freq" in args else 1
+    # The model's shape as make_tiny_glm5.py builds it from these arguments:
+    # IndexShare (--index-topk-freq N) has fewer pairs, --layers more.
+    def arg(flag: str, default: int) -> int:
+        return int(args[args.index(flag) + 1]) if flag in args else default
+
     config = hisparse_kv_cache_config(
-        num_gpu_blocks=blocks, num_host_blocks=host_blocks, index_topk=topk, freq=freq,
+        num_gpu_blocks=blocks, num_host_blocks=host_blocks, index_topk=topk,
+        freq=arg("--index-topk-freq", 1), num_layers=arg("--layers", 4),
         admission_max_tokens=spec["hisparse"].get("admission_max_tokens", chunk))
     with tempfile.TemporaryDirectory() as tmp:
         s = make_scheduler(Path(tmp), config, max_num_seqs=8, max_num_batched_tokens=chunk,

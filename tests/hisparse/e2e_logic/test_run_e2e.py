@@ -71,6 +71,34 @@ def test_the_index_share_pool_puts_single6k_under_pressure():
     assert calm["lost_pages"] == 0
 
 
+def test_the_strided_model_its_pool_and_its_opt_in(monkeypatch):
+    """K8: glm_l8 (8 layers) is the tiny model with a strided layout; its
+    engines' pool sits above that layout's minimum (8 pairs) and below a
+    fully resident 6K request, the real scheduler with the simulated worker
+    loses pages there without preempting, and only its HiSparse engine
+    starts with the strided opt-in."""
+    import simulate_pressure
+    from vllm.v1.hisparse.binding import STRIDED_ENV
+
+    hf = {"num_hidden_layers": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+          "index_head_dim": 128, "index_topk": e2e.INDEX_TOPK}
+    params = HiSparseParams(index_topk=e2e.INDEX_TOPK, max_decode_query_len=1,
+                            device_buffer_size=2 * e2e.INDEX_TOPK, admission_max_tokens=2048,
+                            host_pool_bytes=0)
+    lay = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
+    assert lay.addressing == "strided" and lay.num_pairs == 8
+    admission = lay.request_blocks(e2e.MAX_MODEL_LEN).admission
+    assert admission == e2e.startup_minimum_blocks(e2e.MAX_MODEL_LEN, 2048, 8)
+    pool = SPECS["on_l8"]["blocks"]
+    assert admission < pool < e2e.cdiv(6000, 64) * 9 + 8 * e2e.cdiv(2 * e2e.INDEX_TOPK, 64)
+    got = simulate_pressure.simulate("on_l8", "single6k", host_blocks=12000)
+    assert got["finished"] and got["preemptions"] == 0 and got["lost_pages"] > 0
+    assert e2e.engine_env(SPECS["on_l8"], e2e.ON_PLAN["on_l8"])[STRIDED_ENV] == "1"
+    assert STRIDED_ENV not in e2e.engine_env(SPECS["off_l8"], [])
+    assert STRIDED_ENV not in e2e.engine_env(SPECS["on_c2k"], e2e.ON_PLAN["on_c2k"])
+    assert e2e.REFERENCE["on_l8"] == "off_l8" and e2e.REPLAYS["rep_l8"] == "off_l8"
+
+
 def test_the_deepseek_v32_model_and_its_pressure_pool(tmp_path):
     """Issue 17 item 4: the tiny DeepSeek-V3.2 (make_tiny_glm5.py --arch
     dsv32) is the architecture vLLM resolves to its DeepSeek-V3 model code

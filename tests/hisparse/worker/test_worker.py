@@ -376,6 +376,36 @@ def test_decode_rows_resolve_resident_hot_and_host_then_followers_replay():
     assert stats["misses"] == 2 and stats["live_hot_regions"] == 1
 
 
+def test_strided_addressing_resolves_and_gathers_through_the_attention_view():
+    """Spec 3.2, docs/worker.md K8: at 8 layers the block is not a whole
+    number of pages (strided addressing, Sa = B, the attention view is the
+    resident view). In every layer the resident page's rows are its rows,
+    and the host-only page's rows are hot-region rows that hold the host
+    bytes when read through the attention view FlashMLA gets (INV-10)."""
+    from worker_harness import tiny_config
+
+    rig = WorkerRig(config=tiny_config(num_layers=8, num_gpu_blocks=512))
+    rt = rig.rt
+    assert rig.layout.addressing == "strided"
+    assert rt.geometry.attention_block_stride == B
+    md = _start_one_decode(rig, resident=[0, 4], host_pages=1, computed=100)
+    topk = torch.full((1, 64), -1, dtype=torch.int32)
+    topk[0, :4] = torch.tensor([2, 70, 9, 100], dtype=torch.int32)
+    for name in rig.layout.sparse_layers:
+        lv = rt.layers[name]
+        assert lv.attention.stride(0) == rig.layout.bytes_per_block
+        rows, counts = rt.decode_rows(name, 1, topk, md.seq_lens, md.block_table)
+        res_block = 50 * lv.pair + 4
+        assert rows[0, 1] == res_block * B + 70 - B and rows[0, 3] == res_block * B + 100 - B
+        assert int(counts[0]) == 4
+        for k, pos in ((0, 2), (2, 9)):
+            block, off = divmod(int(rows[0, k]), B)
+            assert block in (20 + 50 * lv.pair, 21 + 50 * lv.pair)  # its hot region
+            assert torch.equal(lv.attention[block, off], lv.host[5 * B + pos])
+    rig.worker.finish_forward()
+    assert rt.stats()["misses"] == 2 * len(rig.layout.sparse_layers)
+
+
 def _decode_all_layers(prefetch: bool):
     """One decode step through every sparse layer in model order (index
     groups [l0], [l1 l2], [l3]), request r0's page 0 host-only: the rows

@@ -191,6 +191,8 @@ def model_dir_name(layers: int, index_topk_freq: int = 1) -> str:
     return f"tiny_glm5_L{layers}{share}"
 
 
+STRIDED_ENV = "VLLM_HISPARSE_EXPERIMENTAL_STRIDED"  # binding.STRIDED_ENV (no vLLM import here)
+
 # tests/e2e/make_tiny_glm5.py's attention shapes (GLM-5's), which the layout
 # reads; tests/hisparse/bench/test_tax.py checks them against its config.
 TINY_ATTENTION = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,

@@ -176,14 +176,16 @@ def test_layer_counts_with_strided_layouts_are_named(layers, freq, strided):
 
 
 def test_bench_tax_refuses_a_strided_layer_count_in_one_line():
+    import os
     import subprocess
     import sys
 
     from benchlib import common
 
     script = common.REPO / "scripts" / "bench-tax"
+    env = {k: v for k, v in os.environ.items() if k != tax.STRIDED_ENV}
     bad = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "4,32"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "--layers 32 with --index-topk-freq 1" in bad.stderr
     good = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "8,32",
@@ -517,3 +519,22 @@ def test_the_engine_measures_its_process_trees_cpu_time():
     assert 0.1 < burned < 2.0
     threads = engine_worker.thread_counts()
     assert threads and threads[0] >= 1
+
+
+def test_the_strided_opt_in_is_the_bindings():
+    """bench-tax lets strided layer counts run on binding's own opt-in
+    (the engines inherit the environment), under the same name."""
+    import os
+    import subprocess
+    import sys
+
+    from benchlib import common
+    from vllm.v1.hisparse.binding import STRIDED_ENV
+
+    assert tax.STRIDED_ENV == STRIDED_ENV
+    script = common.REPO / "scripts" / "bench-tax"
+    ok = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "4,32"],
+                        capture_output=True, text=True,
+                        env={**os.environ, STRIDED_ENV: "1"})
+    assert ok.returncode == 0, ok.stderr
+    assert "served on" in ok.stderr + ok.stdout

@@ -20,8 +20,8 @@ COMMANDS = {  # results/e2e/README.md: the two device commands of the gate
 }
 
 
-def layout(freq: int = 1, chunk: int = 2048):
-    hf = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+def layout(freq: int = 1, chunk: int = 2048, layers: int = 4):
+    hf = {"num_hidden_layers": layers, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
           "index_head_dim": 128, "index_topk": e2e.INDEX_TOPK, "index_topk_freq": freq}
     params = HiSparseParams(index_topk=e2e.INDEX_TOPK, max_decode_query_len=1,
                             device_buffer_size=2 * e2e.INDEX_TOPK,
@@ -71,7 +71,7 @@ def test_the_index_share_pool_puts_single6k_under_pressure():
     assert calm["lost_pages"] == 0
 
 
-def test_the_strided_model_its_pool_and_its_opt_in(monkeypatch):
+def test_the_strided_model_its_pool_and_its_opt_in():
     """K8: glm_l8 (8 layers) is the tiny model with a strided layout; its
     engines' pool sits above that layout's minimum (8 pairs) and below a
     fully resident 6K request, the real scheduler with the simulated worker
@@ -80,12 +80,7 @@ def test_the_strided_model_its_pool_and_its_opt_in(monkeypatch):
     import simulate_pressure
     from vllm.v1.hisparse.binding import STRIDED_ENV
 
-    hf = {"num_hidden_layers": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-          "index_head_dim": 128, "index_topk": e2e.INDEX_TOPK}
-    params = HiSparseParams(index_topk=e2e.INDEX_TOPK, max_decode_query_len=1,
-                            device_buffer_size=2 * e2e.INDEX_TOPK, admission_max_tokens=2048,
-                            host_pool_bytes=0)
-    lay = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
+    lay = layout(layers=8)
     assert lay.addressing == "strided" and lay.num_pairs == 8
     admission = lay.request_blocks(e2e.MAX_MODEL_LEN).admission
     assert admission == e2e.startup_minimum_blocks(e2e.MAX_MODEL_LEN, 2048, 8)

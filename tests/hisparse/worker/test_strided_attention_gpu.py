@@ -13,10 +13,9 @@ FlashMLA sparse; the placement it relies on is checked on CPU."""
 
 import pytest
 import torch
+from worker_harness import tiny_config
 
 from vllm.v1.hisparse.binding import attention_view, resident_view
-from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
-from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 
 HEADS = 64  # FlashMLA sparse's FP8 decode pads to 64 on Hopper
 BATCH = 4
@@ -35,12 +34,8 @@ def cuda():
 
 
 def layout_of(layers: int, topk: int):
-    hf = {"num_hidden_layers": layers, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-          "index_head_dim": 128, "index_topk": topk}
-    params = HiSparseParams(index_topk=topk, max_decode_query_len=1,
-                            device_buffer_size=2 * topk, admission_max_tokens=2048,
-                            host_pool_bytes=0)
-    return build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64), params)
+    """The real layout of the tiny GLM-5-architecture model at this depth."""
+    return tiny_config(num_layers=layers, index_topk=topk).layout
 
 
 def fp8_ds_mla_rows(n: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -81,8 +76,8 @@ def num_blocks(topk: int) -> int:
 
 def placed(layout, topk: int, device, seed: int):
     """A NaN-filled slab with valid rows in the last sparse layer's
-    attention view: (attention view, the rows by physical row, hma of each
-    physical row)."""
+    attention view: (slab, the layer's byte offset, attention view, the
+    rows by physical row, hma of each physical row, the generator)."""
     gen = torch.Generator().manual_seed(seed)
     blocks = num_blocks(topk)
     slab = torch.full((blocks * layout.bytes_per_block,), 0xFF, dtype=torch.uint8,

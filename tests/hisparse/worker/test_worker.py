@@ -10,7 +10,14 @@ checked against what the "forward" wrote.
 import numpy as np
 import pytest
 import torch
-from worker_harness import B, ReferenceOps, WorkerRig, attn_metadata, fill_pattern
+from worker_harness import (
+    B,
+    ReferenceOps,
+    WorkerRig,
+    attn_metadata,
+    fill_pattern,
+    tiny_config,
+)
 
 from vllm.v1.hisparse.runtime import ExtendPlan
 
@@ -382,8 +389,6 @@ def test_strided_addressing_resolves_and_gathers_through_the_attention_view():
     resident view). In every layer the resident page's rows are its rows,
     and the host-only page's rows are hot-region rows that hold the host
     bytes when read through the attention view FlashMLA gets (INV-10)."""
-    from worker_harness import tiny_config
-
     rig = WorkerRig(config=tiny_config(num_layers=8, num_gpu_blocks=512))
     rt = rig.rt
     assert rig.layout.addressing == "strided"

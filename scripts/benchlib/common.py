@@ -95,6 +95,25 @@ def host_info() -> dict:
         out["gpus"] = gpus
     except (OSError, subprocess.TimeoutExpired):
         out["gpus"] = []
+    out["cpu_siblings"] = cpu_siblings()
+    return out
+
+
+def cpu_siblings() -> dict[str, str]:
+    """{cpu: its SMT siblings, e.g. "0,8"} for the cores this process may
+    use (Linux sysfs; {} elsewhere): two engines on sibling vCPUs share one
+    physical core, which bench-tax's per-core-set medians then show."""
+    out = {}
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return out
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                out[str(c)] = f.read().strip()
+        except OSError:
+            continue
     return out
 
 

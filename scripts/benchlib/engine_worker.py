@@ -10,7 +10,11 @@ Commands ({"op": ...}):
   prepare  {batch, prompt_len, seed, m}  build the batch's prompts (seeded,
            the same in every arm), generate M tokens once: compiles what the
            batch size needs and puts the prompts in the prefix cache
-  sample   {batch, n, m}  wall time of generating M, then N + M new tokens
+  sample   {batch, n, m}  wall time of generating M, then N + M new tokens;
+           with the engine's CPU time, its busiest threads and the time
+           Python's garbage collector took in each
+  pin      {cpus}  move every thread of the engine's processes onto these
+           cores (bench-tax rotates the arms' core sets per repetition)
   profile  {batch, n, m}  torch.profiler over the same two generations:
            aggregated events of each
   counters               HiSparse's counters (ours; {} upstream)
@@ -30,7 +34,8 @@ import time
 import traceback
 
 VOCAB = 8192  # tests/e2e/make_tiny_glm5.py
-OPS = ("prepare", "sample", "profile", "counters", "shutdown")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+OPS = ("prepare", "sample", "pin", "profile", "counters", "shutdown")
 
 
 def to_configs(kwargs: dict, flavor: str) -> dict:
@@ -155,15 +160,26 @@ class Engine:
     def sample(self, batch: int, n: int, m: int) -> dict:
         """Wall times of M and N + M new tokens, and the CPU time the engine's
         processes spent in each: a decode step that costs more CPU than
-        wall time has threads burning cores beside the one that steps."""
-        c0 = process_tree_cpu_s()
-        t_short = self.timed(batch, m)
-        c1 = process_tree_cpu_s()
-        t_long = self.timed(batch, n + m)
-        c2 = process_tree_cpu_s()
+        wall time has threads burning cores beside the one that steps.
+        ``busy_threads`` names them (CPU seconds per thread over the long
+        generation); ``gc_short_s``/``gc_long_s`` is the time Python's
+        collector paused this process, which grows with the objects a
+        process keeps alive outside vLLM's startup freeze."""
+        with GcClock() as gc_clock:
+            c0, g0 = process_tree_cpu_s(), gc_clock.total_s
+            t_short = self.timed(batch, m)
+            c1, g1, th1 = process_tree_cpu_s(), gc_clock.total_s, thread_cpu_s()
+            t_long = self.timed(batch, n + m)
+            c2, g2, th2 = process_tree_cpu_s(), gc_clock.total_s, thread_cpu_s()
         return {"t_short_s": t_short, "t_long_s": t_long,
                 "cpu_short_s": c1 - c0, "cpu_long_s": c2 - c1,
+                "gc_short_s": g1 - g0, "gc_long_s": g2 - g1,
+                "gc_collections": gc_clock.collections,
+                "busy_threads": busiest(th1, th2),
                 "threads": thread_counts()}
+
+    def pin(self, cpus: list[int]) -> dict:
+        return pin_tree(cpus)
 
     def profile(self, batch: int, n: int, m: int) -> dict:
         from torch.autograd import DeviceType
@@ -263,6 +279,93 @@ def thread_counts() -> list[int]:
         except psutil.Error:
             continue
     return out
+
+
+def pin_tree(cpus) -> dict:
+    """Every thread of this process and its children onto ``cpus``
+    (sched_setaffinity per thread: a process-wide call moves only the
+    calling thread)."""
+    import psutil
+
+    want = {int(c) for c in cpus}
+    moved = 0
+    for proc in _tree():
+        try:
+            tids = [t.id for t in proc.threads()]
+        except psutil.Error:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, want)
+                moved += 1
+            except OSError:  # the thread ended meanwhile
+                continue
+    return {"cpus": sorted(want), "threads_moved": moved}
+
+
+def thread_cpu_s() -> dict[str, tuple[str, float]]:
+    """{"pid/tid": (thread name, user + system CPU seconds)} of every
+    thread of this process and its children (Linux: /proc)."""
+    out = {}
+    for proc in _tree():
+        pid = proc.pid
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            except OSError:
+                continue
+            # fields after the ")" closing the name: utime is 14th, stime 15th
+            fields = stat.rsplit(")", 1)[1].split()
+            out[f"{pid}/{tid}"] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return out
+
+
+def busiest(before: dict, after: dict, top: int = 6) -> list[dict]:
+    """The ``top`` threads by CPU seconds spent between two
+    ``thread_cpu_s`` snapshots (threads that started meanwhile count from 0)."""
+    spent = []
+    for key, (name, cpu) in after.items():
+        d = cpu - before.get(key, (name, 0.0))[1]
+        if d > 0:
+            spent.append({"thread": key, "name": name, "cpu_s": round(d, 3)})
+    spent.sort(key=lambda t: -t["cpu_s"])
+    return spent[:top]
+
+
+class GcClock:
+    """Time Python's cyclic collector pauses this process, by generation,
+    while the ``with`` block runs (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.collections = {0: 0, 1: 0, 2: 0}
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._t0
+            gen = info.get("generation", 0)
+            self.collections[gen] = self.collections.get(gen, 0) + 1
+
+    def __enter__(self) -> "GcClock":
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
 
 
 def python_key(path: str, line: int, fn: str) -> str:

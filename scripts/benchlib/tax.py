@@ -96,6 +96,7 @@ class TaxConfig:
     upstream_compilation_extra: dict = field(default_factory=dict)
     seed: int = 0
     index_topk_freq: int = 1  # >1: IndexShare (layers share a top-k in groups)
+    rotate_cores: bool = True  # rotated_sets: every arm visits every core set
 
     def validate(self) -> None:
         if self.index_topk_freq < 1:
@@ -292,19 +293,52 @@ def estimate_s(cfg: TaxConfig) -> dict:
 def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm: str,
                   position: int, t_short_s: float, t_long_s: float, n: int,
                   cpu_short_s: float | None = None, cpu_long_s: float | None = None,
-                  threads: list[int] | None = None) -> dict:
+                  threads: list[int] | None = None, gc_short_s: float | None = None,
+                  gc_long_s: float | None = None, gc_collections: dict | None = None,
+                  busy_threads: list[dict] | None = None,
+                  cpus: Sequence[int] | None = None) -> dict:
     """One sample; with the engine's CPU seconds (every process and thread)
     over the same two generations, ``cpu_ms_per_step`` is the CPU time a
-    decode step costs, by the same (N + M) - M difference as its wall time."""
+    decode step costs, by the same (N + M) - M difference as its wall time;
+    ``gc_ms_per_step`` likewise the garbage collector's pauses. ``cpus``:
+    the core set the engine ran on (rotated across repetitions)."""
     rec = {"run": run, "mode": mode, "layers": layers, "batch": batch, "rep": rep,
            "arm": arm, "position": position, "t_short_s": t_short_s, "t_long_s": t_long_s,
            "n": n, "ms_per_step": stats.decode_ms(t_short_s, t_long_s, n)}
     if cpu_short_s is not None and cpu_long_s is not None:
         rec.update(cpu_short_s=cpu_short_s, cpu_long_s=cpu_long_s,
                    cpu_ms_per_step=stats.decode_ms(cpu_short_s, cpu_long_s, n))
+    if gc_short_s is not None and gc_long_s is not None:
+        rec.update(gc_short_s=gc_short_s, gc_long_s=gc_long_s,
+                   gc_ms_per_step=stats.decode_ms(gc_short_s, gc_long_s, n))
+    if gc_collections is not None:
+        rec["gc_collections"] = gc_collections
+    if busy_threads is not None:
+        rec["busy_threads"] = busy_threads
     if threads is not None:
         rec["threads"] = threads
+    if cpus:
+        rec["cpus"] = core_label(cpus)
     return rec
+
+
+def core_label(cpus: Sequence[int]) -> str:
+    """'0-3' for a contiguous set, '0,2,5' otherwise."""
+    c = sorted(int(x) for x in cpus)
+    if c == list(range(c[0], c[-1] + 1)) and len(c) > 1:
+        return f"{c[0]}-{c[-1]}"
+    return ",".join(map(str, c))
+
+
+def rotated_sets(sets: Sequence[Sequence[int]], rep: int) -> list[list[int]]:
+    """Arm i's core set in repetition ``rep``: set (i + rep) mod k. Over k
+    repetitions every arm runs once on every set, so a slow core set (an
+    SMT sibling's load, a far socket) weighs on every arm alike instead
+    of on the arm that started there. Any arm without a set: no rotation."""
+    k = len(sets)
+    if k == 0 or any(not s for s in sets):
+        return [list(s) for s in sets]
+    return [list(sets[(i + rep) % k]) for i in range(k)]
 
 
 def summarize(samples: Iterable[Mapping]) -> dict:
@@ -321,6 +355,13 @@ def summarize(samples: Iterable[Mapping]) -> dict:
                          for a, ss in sorted(arms.items())}, "ratios": {}}
         cpu = {a: stats.spread([s["cpu_ms_per_step"] for s in ss])
                for a, ss in sorted(arms.items()) if all("cpu_ms_per_step" in s for s in ss)}
+        gc_ms = {a: stats.spread([s["gc_ms_per_step"] for s in ss])
+                 for a, ss in sorted(arms.items()) if all("gc_ms_per_step" in s for s in ss)}
+        if gc_ms:
+            cell["gc_ms"] = gc_ms
+        by_cpus = by_core_set(arms)
+        if by_cpus:
+            cell["by_cpus"] = by_cpus
         if cpu:
             # CPU ms per decode step over wall ms: ~1 is one busy thread;
             # well above 1, other threads burn cores beside it.
@@ -338,6 +379,23 @@ def summarize(samples: Iterable[Mapping]) -> dict:
             cell["upstream_tax_us"] = (cell["arms"]["u_on"]["median"]
                                        - cell["arms"]["u_off"]["median"]) * 1e3
         out.setdefault(mode, {}).setdefault(str(L), {})[str(b)] = cell
+    return out
+
+
+def by_core_set(arms: Mapping[str, list[Mapping]]) -> dict:
+    """{arm: {core set: median ms/step}} where samples name their cores and
+    some arm ran on more than one set (rotation): a core set slower for
+    every arm is the machine's, not HiSparse's."""
+    out: dict = {}
+    for a, ss in sorted(arms.items()):
+        sets: dict[str, list[float]] = {}
+        for s in ss:
+            if "cpus" in s:
+                sets.setdefault(s["cpus"], []).append(s["ms_per_step"])
+        if sets:
+            out[a] = {c: stats.spread(v)["median"] for c, v in sorted(sets.items())}
+    if not any(len(v) > 1 for v in out.values()):
+        return {}
     return out
 
 

@@ -6,6 +6,9 @@ layers / 4, x 1.5 with HiSparse (x 1.4 lazy), + 1% with the connector,
 upstream x 1.8; each sample's call order is logged to FAKE_ENGINE_LOG.
 
 FAKE_ENGINE_FAIL=<substring of a key>: that engine fails to start.
+FAKE_ENGINE_SLOW_CPUS=<core list, e.g. "1">: an engine pinned to exactly
+these cores (BENCH_TAX_CPUS at start, then the "pin" op) steps 1.3x slower,
+whatever its arm (a slow core set).
 FAKE_ENGINE_MISSES=1: HiSparse engines count hot-buffer misses.
 """
 
@@ -42,18 +45,27 @@ def main() -> int:
     out.flush()
     hisparse = "hisparse_config" in (spec["kwargs"].get("attention_config") or {})
     misses = 0
+    cpus = os.environ.get("BENCH_TAX_CPUS", "")
+    slow = os.environ.get("FAKE_ENGINE_SLOW_CPUS")
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")
         if op == "prepare":
             reply = {"warmup_s": 0.01}
+        elif op == "pin":
+            cpus = ",".join(map(str, sorted(cmd["cpus"])))
+            reply = {"cpus": sorted(cmd["cpus"]), "threads_moved": 3}
         elif op == "sample":
-            ms = step_ms(spec, cmd["batch"])
+            ms = step_ms(spec, cmd["batch"]) * (1.3 if slow and cpus == slow else 1.0)
             t_short = 0.05 + cmd["m"] * ms / 1e3
             t_long = t_short + cmd["n"] * ms / 1e3
             busy = 1.3 if hisparse else 1.0  # CPU seconds per wall second, computed
+            gc = 0.02 if hisparse else 0.01  # collector pauses per wall second
             reply = {"t_short_s": t_short, "t_long_s": t_long, "cpu_short_s": busy * t_short,
-                     "cpu_long_s": busy * t_long, "threads": [3, 40]}
+                     "cpu_long_s": busy * t_long, "threads": [3, 40],
+                     "gc_short_s": gc * t_short, "gc_long_s": gc * t_long,
+                     "gc_collections": {"0": 5, "1": 0, "2": 0},
+                     "busy_threads": [{"thread": "1/1", "name": "python", "cpu_s": t_long}]}
             if os.environ.get("FAKE_ENGINE_LOG"):
                 with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
                     f.write(f"{key} {cmd['batch']}\n")

@@ -538,3 +538,92 @@ def test_the_strided_opt_in_is_the_bindings():
                         env={**os.environ, STRIDED_ENV: "1"})
     assert ok.returncode == 0, ok.stderr
     assert "served on" in ok.stderr + ok.stdout
+
+
+def test_rotated_core_sets_visit_every_set():
+    """P2's method: over k repetitions each of k arms runs once on each of
+    the k core sets; an arm without a set turns rotation off."""
+    sets = [[0, 1], [2, 3], [4, 5]]
+    seen = {i: set() for i in range(3)}
+    for rep in range(3):
+        now = tax.rotated_sets(sets, rep)
+        assert sorted(map(tuple, now)) == sorted(map(tuple, sets))  # still disjoint
+        for i, s in enumerate(now):
+            seen[i].add(tuple(s))
+    assert all(len(v) == 3 for v in seen.values())
+    assert tax.rotated_sets(sets, 0) == sets and tax.rotated_sets(sets, 3) == sets
+    assert tax.rotated_sets([[0], []], 1) == [[0], []]
+    assert tax.rotated_sets([], 2) == []
+    assert tax.core_label([3, 1, 2]) == "1-3" and tax.core_label([5]) == "5"
+    assert tax.core_label([0, 2, 5]) == "0,2,5"
+
+
+def test_by_core_set_only_where_an_arm_moved():
+    def s(arm, cpus, ms):
+        return {"arm": arm, "cpus": cpus, "ms_per_step": ms}
+
+    moved = tax.by_core_set({"off": [s("off", "0-3", 2.0), s("off", "4-7", 3.0),
+                                     s("off", "4-7", 3.2)],
+                             "on": [s("on", "0-3", 2.2)]})
+    assert moved == {"off": {"0-3": 2.0, "4-7": 3.1}, "on": {"0-3": 2.2}}
+    assert tax.by_core_set({"off": [s("off", "0-3", 2.0)], "on": [s("on", "4-7", 2.0)]}) == {}
+    assert tax.by_core_set({"off": [{"arm": "off", "ms_per_step": 1.0}]}) == {}
+
+
+def test_gc_pauses_per_step():
+    """Run 4 left open whether the on arm's process pays more garbage
+    collection per step (objects alive outside vLLM's startup freeze): the
+    collector's pause seconds get the (N + M) - M difference too."""
+    s = tax.sample_record(run=0, mode="fdo", layers=4, batch=16, rep=0, arm="on",
+                          position=0, t_short_s=1.0, t_long_s=1.256, n=128,
+                          gc_short_s=0.01, gc_long_s=0.0356, gc_collections={"0": 3},
+                          busy_threads=[{"thread": "1/2", "name": "pt_main", "cpu_s": 1.2}],
+                          cpus=[4, 5, 6, 7])
+    assert s["gc_ms_per_step"] == pytest.approx(0.2) and s["cpus"] == "4-7"
+    assert s["busy_threads"][0]["name"] == "pt_main" and s["gc_collections"] == {"0": 3}
+    assert "gc_ms" in tax.summarize([s])["fdo"]["4"]["16"]
+
+
+def test_the_engine_names_its_busiest_thread_and_clocks_the_collector():
+    """engine_worker's diagnostics on this process: a thread burning CPU
+    tops ``busiest`` under its own name; GcClock times a full collection;
+    pin_tree moves every thread (restored after)."""
+    import gc
+    import os
+    import threading
+    import time
+
+    from benchlib import engine_worker
+
+    stop = threading.Event()
+
+    def burn():
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=burn, name="burner")
+    before = engine_worker.thread_cpu_s()
+    t.start()
+    time.sleep(0.3)
+    after = engine_worker.thread_cpu_s()
+    stop.set()
+    t.join()
+    top = engine_worker.busiest(before, after)
+    assert top and top[0]["cpu_s"] > 0.05
+    assert top[0]["name"].startswith("burner") or top[0]["name"].startswith("python")
+    assert engine_worker.busiest(after, after) == []
+
+    keep = [[object()] for _ in range(20000)]  # something for the collector to walk
+    with engine_worker.GcClock() as clock:
+        gc.collect()
+    assert clock.collections[2] >= 1 and clock.total_s > 0
+    del keep
+
+    mine = sorted(os.sched_getaffinity(0))
+    try:
+        r = engine_worker.pin_tree([mine[0]])
+        assert r["cpus"] == [mine[0]] and r["threads_moved"] >= 1
+        assert os.sched_getaffinity(0) == {mine[0]}
+    finally:
+        engine_worker.pin_tree(mine)
+    assert sorted(os.sched_getaffinity(0)) == mine

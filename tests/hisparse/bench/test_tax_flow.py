@@ -133,3 +133,36 @@ def test_dry_run_starts_nothing(bench_tax, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "default/L32/u_on" in out and "HiSparseConnector" in out
     assert "estimate: engine starts" in out
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_core_sets_rotate_so_a_slow_set_weighs_on_every_arm(tax_cmd, monkeypatch, rotate):
+    """P2's method (run 4 saw untouched code run ~1.4x slower in the on
+    arm's process): engines start on disjoint core sets, and the sets
+    rotate across repetitions, so a core set slower for any process (the
+    stand-in's cores "1": 1.3x) no longer reads as one arm's tax. The A/A
+    control off_b/off shows it: 1.0 with rotation, 1.3x without; by_cpus
+    names the slow set for every arm."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("FAKE_ENGINE_SLOW_CPUS", "1")
+    args = ["--arms", "off,off_b", "--modes", "fdo", "--batches", "16", "--reps", "4"]
+    rc, rep, _ = tax_cmd(*args, *([] if rotate else ["--no-rotate-cores"]))
+    assert rc == 0 and rep["failures"] == []
+    cell = rep["summary"]["fdo"]["4"]["16"]
+    aa = cell["ratios"]["off_b/off"]["ratio_of_medians"]
+    ran_on = {s["arm"]: {x["cpus"] for x in rep["samples"] if x["arm"] == s["arm"]}
+              for s in rep["samples"]}
+    if rotate:
+        assert aa == pytest.approx(1.0)
+        assert ran_on == {"off": {"0", "1"}, "off_b": {"0", "1"}}
+        for arm in ("off", "off_b"):
+            assert cell["by_cpus"][arm]["1"] == pytest.approx(1.3 * cell["by_cpus"][arm]["0"])
+    else:
+        assert aa == pytest.approx(1.3)
+        assert ran_on == {"off": {"0"}, "off_b": {"1"}}
+        assert "by_cpus" not in cell  # one set per arm: nothing to compare
+    # the collector's pauses per decode step, by the same difference
+    assert cell["gc_ms"]["off"]["median"] == pytest.approx(0.01 * cell["arms"]["off"]["median"])
+    assert rep["samples"][0]["busy_threads"][0]["name"] == "python"

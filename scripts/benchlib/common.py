@@ -95,25 +95,36 @@ def host_info() -> dict:
         out["gpus"] = gpus
     except (OSError, subprocess.TimeoutExpired):
         out["gpus"] = []
+    if out["gpus"]:
+        try:  # the GPU's CPU and NUMA affinity, beside the engines' cores
+            out["gpu_topology"] = subprocess.run(
+                ["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                timeout=20).stdout.strip().splitlines()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     out["cpu_siblings"] = cpu_siblings()
     return out
 
 
 def cpu_siblings() -> dict[str, str]:
-    """{cpu: its SMT siblings, e.g. "0,8"} for the cores this process may
-    use (Linux sysfs; {} elsewhere): two engines on sibling vCPUs share one
-    physical core, which bench-tax's per-core-set medians then show."""
+    """{cpu: "siblings 0,8 package 0 node 0"} for the cores this process
+    may use (Linux sysfs; {} elsewhere): two engines on sibling vCPUs share
+    one physical core, and a core on the GPU's far socket launches slower;
+    bench-tax's per-core-set medians then show either."""
     out = {}
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return out
     for c in cpus:
+        base = Path(f"/sys/devices/system/cpu/cpu{c}")
         try:
-            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
-                out[str(c)] = f.read().strip()
+            sib = (base / "topology/thread_siblings_list").read_text().strip()
+            pkg = (base / "topology/physical_package_id").read_text().strip()
         except OSError:
             continue
+        nodes = [p.name[4:] for p in base.glob("node[0-9]*")]
+        out[str(c)] = f"siblings {sib} package {pkg} node {','.join(nodes) or '?'}"
     return out
 
 

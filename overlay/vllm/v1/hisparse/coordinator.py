@@ -50,7 +50,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
 from vllm.v1.hisparse.constants import ACTIVE_TAIL_PAGES, MAX_PUBLICATION_WAITS
-from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck, empty_ids
 from vllm.v1.hisparse.pd_imports import ImportPlan, ImportTracker
 from vllm.v1.request import Request
 
@@ -61,6 +61,18 @@ if TYPE_CHECKING:
         HiSparseResidentManager,
         HiSparseSourceManager,
     )
+
+
+_EMPTY_ROWS: dict[int, np.ndarray] = {}
+
+
+def _empty_rows(g: int) -> np.ndarray:
+    """int32 [0, g], shared and read only (P2: none allocated per step)."""
+    rows = _EMPTY_ROWS.get(g)
+    if rows is None:
+        rows = _EMPTY_ROWS[g] = empty_ids(np.int32, g)
+    return rows
+
 
 logger = init_logger(__name__)
 
@@ -989,8 +1001,7 @@ class HiSparseCoordinator:
         self._check_watermark()
         g = len(self.residents)
         meta = HiSparseStepMetadata(step=self.step)
-        meta.transfer_resident_blocks = np.zeros((0, g), dtype=np.int32)
-        meta.update_block_ids = np.zeros((0, g), dtype=np.int32)
+        meta.transfer_resident_blocks = meta.update_block_ids = _empty_rows(g)
         if self._dirty:
             self._residency_updates(meta, scheduler_output, g)
         spills = self._spills_to_send

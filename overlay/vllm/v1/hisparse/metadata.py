@@ -37,8 +37,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 
+def empty_ids(dtype: type = np.int32, *shape: int) -> np.ndarray:
+    """A shared, read-only empty array: most steps send no transfers, updates
+    or hot regions, so a field left empty costs no allocation (P2)."""
+    empty = np.zeros((0, *shape), dtype=dtype)
+    empty.flags.writeable = False
+    return empty
+
+
 def _ids(dtype: type = np.int32, *shape: int):
-    return field(default_factory=lambda: np.zeros((0, *shape), dtype=dtype))
+    empty = empty_ids(dtype, *shape)
+    return field(default_factory=lambda: empty)
+
+
+_ZERO_INDPTR = np.zeros(1, dtype=np.int64)
+_ZERO_INDPTR.flags.writeable = False
 
 
 @dataclass
@@ -69,9 +82,7 @@ class HiSparseStepMetadata(KVConnectorMetadata):
     """Requests whose resident table rows changed (lost or adopted pages)."""
     update_start_pages: np.ndarray = _ids(np.int32)
     """int32 [m]: first rewritten page of each request."""
-    update_indptr: np.ndarray = field(
-        default_factory=lambda: np.zeros(1, dtype=np.int64)
-    )
+    update_indptr: np.ndarray = field(default_factory=lambda: _ZERO_INDPTR)
     """int64 [m + 1]: request i's rows are
     ``update_block_ids[indptr[i]:indptr[i + 1]]``."""
     update_block_ids: np.ndarray = _ids(np.int32, 0)

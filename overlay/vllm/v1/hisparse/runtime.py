@@ -251,6 +251,11 @@ class StepInputs:
             torch.full(self.tensor.shape, -1, dtype=torch.int32, pin_memory=True)
             for _ in range(2)
         ] if self.cuda else [self.tensor]
+        # Their numpy views, made once (P2: no view objects per step).
+        self._host_np = [
+            (h[:max_tokens], h[max_tokens:], h)
+            for h in (t.numpy() for t in self._host)
+        ]
         self._sent: list[Any] = [None] * len(self._host)
         self._cur = 0
 
@@ -260,9 +265,9 @@ class StepInputs:
         event = self._sent[self._cur]
         if event is not None:
             event.synchronize()  # deliberate: the copy of two steps ago
-        buf = self._host[self._cur].numpy()
+        row_req, req_state, buf = self._host_np[self._cur]
         buf.fill(-1)
-        return buf[: self.max_tokens], buf[self.max_tokens:]
+        return row_req, req_state
 
     def send(self) -> None:
         """Copy the filled host buffer into the device tensor."""

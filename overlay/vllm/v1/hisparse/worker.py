@@ -272,6 +272,8 @@ class MirrorPlan:
         self.num_rows = 0
         """Tokens covered by the descriptors built this step."""
         self.first_token = 0
+        self._spans_cache: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def build(self, first_token: int, num_tokens: int) -> int:
         """Descriptors for tokens [first_token, num_tokens) of this step, on
@@ -297,14 +299,41 @@ class MirrorPlan:
     def spans_of(self, range_indices: list[int]) -> list[slice]:
         """The descriptors of ``range_indices`` (ascending) as contiguous
         slices: consecutive resident groups' slices merge."""
-        spans: list[slice] = []
-        for index in range_indices:
-            part = self.slice_of(index)
-            if spans and spans[-1].stop == part.start:
-                spans[-1] = slice(spans[-1].start, part.stop)
-            else:
-                spans.append(part)
+        n = self.num_rows
+        return [slice(lo * n, hi * n) for lo, hi in self._layer_spans(range_indices)]
+
+    def descriptors(self, part: slice) -> tuple[torch.Tensor, ...]:
+        """(src, dst, nbytes)[part]: views of the persistent buffers, kept
+        per span (P2: a steady decode step launches K5 on the same span
+        every step, so it makes no tensor views)."""
+        key = (part.start, part.stop)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 64:  # the batch size changed often: start over
+                self._views.clear()
+            views = self._views[key] = (self.src[part], self.dst[part], self.nbytes[part])
+        return views
+
+    def _layer_spans(self, range_indices: list[int]) -> tuple[tuple[int, int], ...]:
+        """The merged layer ranges of ``range_indices``, computed once per
+        index list (P2: a decode step asks for the same one every step)."""
+        key = tuple(range_indices)
+        spans = self._spans_cache.get(key)
+        if spans is None:
+            merged: list[tuple[int, int]] = []
+            for index in key:
+                lo, hi = self.pair_ranges[index]
+                if merged and merged[-1][1] == lo:
+                    merged[-1] = (merged[-1][0], hi)
+                else:
+                    merged.append((lo, hi))
+            spans = self._spans_cache[key] = tuple(merged)
         return spans
+
+
+_NO_TRANSFERS = np.zeros(0, dtype=np.int64)
+_NO_TRANSFERS.flags.writeable = False
+"""The pending spills of a step without transfers (shared, read only)."""
 
 
 @dataclass
@@ -419,7 +448,8 @@ class HiSparseWorker:
                 "HiSparse: a step started before the previous finished (did the "
                 "previous step's sampling or drafting raise?)"
             )
-        self._retire(meta.retired_transfer_ids)
+        if meta.retired_transfer_ids.size:
+            self._retire(meta.retired_transfer_ids)
         self.host_write.rotate(meta.step)
         if self._debug and self.writer:
             self._run_audit()
@@ -430,11 +460,14 @@ class HiSparseWorker:
         rt.apply_hot_regions(
             meta.hot_regions_freed, meta.hot_regions_allocated, meta.hot_region_requests
         )
-        restore = meta.transfer_restore.astype(bool)
-        if restore.any():
-            self._restore(meta, np.nonzero(restore)[0])
-        # INV-28: a reader neither copies nor acks spills.
-        spills = np.nonzero(~restore)[0] if self.writer else np.zeros(0, np.int64)
+        spills = _NO_TRANSFERS  # P2: a steady step has no transfers
+        if meta.transfer_restore.size:
+            restore = meta.transfer_restore.astype(bool)
+            if restore.any():
+                self._restore(meta, np.nonzero(restore)[0])
+            # INV-28: a reader neither copies nor acks spills.
+            if self.writer:
+                spills = np.nonzero(~restore)[0]
         has_forward = attn_metadata is not None
         pure_decode = has_forward and attn_metadata.num_prefills == 0
         self._step = _StepState(
@@ -503,9 +536,12 @@ class HiSparseWorker:
         # Target ranges, then draft ranges (indices after every target one),
         # then the spills: one DMA-stream order gives INV-26. A drafter that
         # did not run wrote no draft row, so none is copied (INV-25).
-        pending = [i for i in self._target_ranges if i not in step.mirrored_ranges]
+        if step.mirrored_ranges:
+            pending = [i for i in self._target_ranges if i not in step.mirrored_ranges]
+        else:
+            pending = self._target_ranges  # read only (P2: no list per step)
         if step.draft_written:
-            pending += self._draft_ranges
+            pending = pending + self._draft_ranges
         self._submit_mirror_ranges(step, pending)
         self._submit_spills(step)
         if step.submitted:
@@ -542,7 +578,7 @@ class HiSparseWorker:
         with streams.on(streams.dma):
             streams.wait(streams.dma, ready)
             for part in m.spans_of(indices):
-                self.runtime.ops.copy_descriptors(m.src[part], m.dst[part], m.nbytes[part])
+                self.runtime.ops.copy_descriptors(*m.descriptors(part))
         step.submitted = True
 
     def _submit_spills(self, step: _StepState) -> None:

@@ -54,6 +54,15 @@ def stage_upstream(bundle: Path, stage: Path) -> dict:
             raise RuntimeError(f"unpacking {bundle}/{PARTS} into {stage} failed")
         out["unpacked"] = True
     dg, marker = bundle / DEEP_GEMM, site(stage) / ".dg026"
+    if not dg.exists() and not marker.exists():
+        # 0.30.0's own DeepGEMM fails every call on torch 2.11 ("t.is_cuda()"
+        # at layout.hpp:45: the upstream server of results/agentic run 5
+        # died on it at startup), so the peer cannot run without the swap.
+        raise FileNotFoundError(
+            f"no {bundle}/{DEEP_GEMM}: build it here with bash "
+            "/work/shared/peers/upstream-0.30/make_dg026.sh "
+            ".cache/pin/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl and carry it "
+            f"with {bundle.name}")
     if dg.exists() and not marker.exists():
         shutil.rmtree(site(stage) / "vllm" / "third_party" / "deep_gemm", ignore_errors=True)
         subprocess.run(["tar", "-xJf", str(dg), "-C", str(site(stage))], check=True)

@@ -10,7 +10,8 @@ Commands ({"op": ...}):
   prepare  {batch, prompt_len, seed, m}  build the batch's prompts (seeded,
            the same in every arm), generate M tokens once: compiles what the
            batch size needs and puts the prompts in the prefix cache
-  sample   {batch, n, m}  wall time of generating M, then N + M new tokens;
+  sample   {batch, n, m}  wall time of generating M, then N + M new tokens,
+           and the median step-to-step interval of the latter;
            with the engine's CPU time, its busiest threads and the time
            Python's garbage collector took in each
   pin      {cpus}  move every thread of the engine's processes onto these
@@ -119,6 +120,27 @@ class Engine:
                                  "gpu": torch.cuda.get_device_name(0)}
         self.info["defaults"] = self.defaults()
         self.prompts: dict[int, list[dict]] = {}
+        self.step_stamps: list[float] | None = self._clock_steps()
+        self.info["step_clock"] = self.step_stamps is not None
+
+    def _clock_steps(self) -> list[float] | None:
+        """Stamp every engine-loop step that returns tokens (the in-process
+        client's get_output, which LLMEngine.step calls once per step);
+        None where the client has no such method (another vLLM)."""
+        client = getattr(self.llm.llm_engine, "engine_core", None)
+        get = getattr(client, "get_output", None)
+        if get is None:
+            return None
+        stamps: list[float] = []
+
+        def stamped():
+            out = get()
+            if getattr(out, "outputs", None):  # async scheduling: some calls return none
+                stamps.append(time.perf_counter())
+            return out
+
+        client.get_output = stamped
+        return stamps
 
     def defaults(self) -> dict:
         vc = self.llm.llm_engine.vllm_config
@@ -154,8 +176,20 @@ class Engine:
         return dt
 
     def prepare(self, batch: int, prompt_len: int, seed: int, m: int) -> dict:
+        """Prefill the prompts (into the prefix cache), then generate from
+        the cache once: run 5's first timed generation after a prefill
+        took 0.5 s more than later ones in the off arms."""
         self.prompts[batch] = prompts_for(batch, prompt_len, seed)
-        return {"warmup_s": self.timed(batch, m)}
+        return {"warmup_s": self.timed(batch, m), "warmup_cached_s": self.timed(batch, m)}
+
+    def step_median_ms(self) -> tuple[float, int] | tuple[None, None]:
+        """The median interval (ms) between the stamped steps of the last
+        generation, and how many intervals."""
+        st = self.step_stamps
+        if not st or len(st) < 3:
+            return None, None
+        gaps = sorted(b - a for a, b in zip(st, st[1:]))
+        return gaps[len(gaps) // 2] * 1e3, len(gaps)
 
     def sample(self, batch: int, n: int, m: int) -> dict:
         """Wall times of M and N + M new tokens, and the CPU time the engine's
@@ -169,9 +203,13 @@ class Engine:
             c0, g0 = process_tree_cpu_s(), gc_clock.total_s
             t_short = self.timed(batch, m)
             c1, g1, th1 = process_tree_cpu_s(), gc_clock.total_s, thread_cpu_s()
+            if self.step_stamps is not None:
+                self.step_stamps.clear()
             t_long = self.timed(batch, n + m)
             c2, g2, th2 = process_tree_cpu_s(), gc_clock.total_s, thread_cpu_s()
+        step_ms, step_count = self.step_median_ms()
         return {"t_short_s": t_short, "t_long_s": t_long,
+                "step_ms": step_ms, "step_count": step_count,
                 "cpu_short_s": c1 - c0, "cpu_long_s": c2 - c1,
                 "gc_short_s": g1 - g0, "gc_long_s": g2 - g1,
                 "gc_collections": gc_clock.collections,

@@ -296,12 +296,15 @@ def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm
                   threads: list[int] | None = None, gc_short_s: float | None = None,
                   gc_long_s: float | None = None, gc_collections: dict | None = None,
                   busy_threads: list[dict] | None = None,
-                  cpus: Sequence[int] | None = None) -> dict:
+                  cpus: Sequence[int] | None = None,
+                  step_ms: float | None = None, step_count: int | None = None) -> dict:
     """One sample; with the engine's CPU seconds (every process and thread)
     over the same two generations, ``cpu_ms_per_step`` is the CPU time a
     decode step costs, by the same (N + M) - M difference as its wall time;
     ``gc_ms_per_step`` likewise the garbage collector's pauses. ``cpus``:
-    the core set the engine ran on (rotated across repetitions)."""
+    the core set the engine ran on (rotated across repetitions);
+    ``step_ms``: the median interval between the engine loop's steps that
+    returned tokens during the long generation (``step_count`` of them)."""
     rec = {"run": run, "mode": mode, "layers": layers, "batch": batch, "rep": rep,
            "arm": arm, "position": position, "t_short_s": t_short_s, "t_long_s": t_long_s,
            "n": n, "ms_per_step": stats.decode_ms(t_short_s, t_long_s, n)}
@@ -319,6 +322,8 @@ def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm
         rec["threads"] = threads
     if cpus:
         rec["cpus"] = core_label(cpus)
+    if step_ms:
+        rec.update(step_ms=step_ms, step_count=step_count)
     return rec
 
 
@@ -341,9 +346,21 @@ def rotated_sets(sets: Sequence[Sequence[int]], rep: int) -> list[list[int]]:
     return [list(sets[(i + rep) % k]) for i in range(k)]
 
 
+def estimator_of(arms: Mapping[str, list[Mapping]]) -> str:
+    """"step_ms" (the median step-to-step interval within each sample)
+    where every sample of the cell has it, else "ms_per_step" (the
+    difference of two generations' totals). Run 5 found this VM's host
+    speed swinging ±30% from sample to sample (A/A 0.89-1.05): a total
+    over 144 steps carries every swing, a median of 144 intervals few."""
+    every = [s for ss in arms.values() for s in ss]
+    return "step_ms" if every and all(s.get("step_ms") for s in every) else "ms_per_step"
+
+
 def summarize(samples: Iterable[Mapping]) -> dict:
     """summary[mode][layers][batch] = {"arms": {arm: spread of ms/step},
-    "ratios": {num/den: {...}}}; keys are strings (JSON)."""
+    "ratios": {num/den: {...}}, "estimator": the per-sample field they
+    read}; where the estimator is step_ms, "totals" keeps the difference
+    method's arms and ratios beside it. Keys are strings (JSON)."""
     samples = [s for s in samples if not s.get("warmup")]
     cells: dict[tuple, dict[str, list]] = {}
     for s in samples:
@@ -351,15 +368,23 @@ def summarize(samples: Iterable[Mapping]) -> dict:
             s["arm"], []).append(s)
     out: dict = {}
     for (mode, L, b), arms in sorted(cells.items()):
-        cell = {"arms": {a: stats.spread([s["ms_per_step"] for s in ss])
-                         for a, ss in sorted(arms.items())}, "ratios": {}}
+        est = estimator_of(arms)
+        cell = {"arms": {a: stats.spread([s[est] for s in ss])
+                         for a, ss in sorted(arms.items())}, "ratios": {},
+                "estimator": est}
+        if est != "ms_per_step":
+            cell["totals"] = {
+                "arms": {a: stats.spread([s["ms_per_step"] for s in ss])
+                         for a, ss in sorted(arms.items())},
+                "ratios": {f"{n}/{d}": ratio(arms[n], arms[d], w)
+                           for n, d, w in RATIOS if n in arms and d in arms}}
         cpu = {a: stats.spread([s["cpu_ms_per_step"] for s in ss])
                for a, ss in sorted(arms.items()) if all("cpu_ms_per_step" in s for s in ss)}
         gc_ms = {a: stats.spread([s["gc_ms_per_step"] for s in ss])
                  for a, ss in sorted(arms.items()) if all("gc_ms_per_step" in s for s in ss)}
         if gc_ms:
             cell["gc_ms"] = gc_ms
-        by_cpus = by_core_set(arms)
+        by_cpus = by_core_set(arms, est)
         if by_cpus:
             cell["by_cpus"] = by_cpus
         if cpu:
@@ -372,7 +397,7 @@ def summarize(samples: Iterable[Mapping]) -> dict:
                                                       if c.get("median") and wall else None)}
         for num, den, what in RATIOS:
             if num in arms and den in arms:
-                cell["ratios"][f"{num}/{den}"] = ratio(arms[num], arms[den], what)
+                cell["ratios"][f"{num}/{den}"] = ratio(arms[num], arms[den], what, est)
         if "on" in arms and "off" in arms:
             cell["tax_us"] = (cell["arms"]["on"]["median"] - cell["arms"]["off"]["median"]) * 1e3
         if "u_on" in arms and "u_off" in arms:
@@ -382,16 +407,16 @@ def summarize(samples: Iterable[Mapping]) -> dict:
     return out
 
 
-def by_core_set(arms: Mapping[str, list[Mapping]]) -> dict:
-    """{arm: {core set: median ms/step}} where samples name their cores and
-    some arm ran on more than one set (rotation): a core set slower for
+def by_core_set(arms: Mapping[str, list[Mapping]], field: str = "ms_per_step") -> dict:
+    """{arm: {core set: median of ``field``}} where samples name their cores
+    and some arm ran on more than one set (rotation): a core set slower for
     every arm is the machine's, not HiSparse's."""
     out: dict = {}
     for a, ss in sorted(arms.items()):
         sets: dict[str, list[float]] = {}
         for s in ss:
             if "cpus" in s:
-                sets.setdefault(s["cpus"], []).append(s["ms_per_step"])
+                sets.setdefault(s["cpus"], []).append(s[field])
         if sets:
             out[a] = {c: stats.spread(v)["median"] for c, v in sorted(sets.items())}
     if not any(len(v) > 1 for v in out.values()):
@@ -399,13 +424,14 @@ def by_core_set(arms: Mapping[str, list[Mapping]]) -> dict:
     return out
 
 
-def ratio(num: list[Mapping], den: list[Mapping], what: str) -> dict:
+def ratio(num: list[Mapping], den: list[Mapping], what: str,
+          field: str = "ms_per_step") -> dict:
     """The ratio of the medians, and the spread of the per-repetition
-    ratios (samples of the same run and repetition paired)."""
-    mn = stats.median([s["ms_per_step"] for s in num])
-    md = stats.median([s["ms_per_step"] for s in den])
-    by_rep = {(s["run"], s["rep"]): s["ms_per_step"] for s in den}
-    pairs = [s["ms_per_step"] / by_rep[(s["run"], s["rep"])] for s in num
+    ratios (samples of the same run and repetition paired), of ``field``."""
+    mn = stats.median([s[field] for s in num])
+    md = stats.median([s[field] for s in den])
+    by_rep = {(s["run"], s["rep"]): s[field] for s in den}
+    pairs = [s[field] / by_rep[(s["run"], s["rep"])] for s in num
              if (s["run"], s["rep"]) in by_rep and by_rep[(s["run"], s["rep"])] > 0]
     return {"what": what, "ratio_of_medians": mn / md if md > 0 else None,
             "pairwise": stats.spread(pairs)}

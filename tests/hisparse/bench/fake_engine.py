@@ -6,6 +6,9 @@ layers / 4, x 1.5 with HiSparse (x 1.4 lazy), + 1% with the connector,
 upstream x 1.8; each sample's call order is logged to FAKE_ENGINE_LOG.
 
 FAKE_ENGINE_FAIL=<substring of a key>: that engine fails to start.
+FAKE_ENGINE_STEP_MS=1: samples carry step_ms (the true step), while the
+first sample's short generation of every engine takes 0.5 s longer (run
+5's first timed generation after a prefill), which only the totals see.
 FAKE_ENGINE_SLOW_CPUS=<core list, e.g. "1">: an engine pinned to exactly
 these cores (BENCH_TAX_CPUS at start, then the "pin" op) steps 1.3x slower,
 whatever its arm (a slow core set).
@@ -45,6 +48,7 @@ def main() -> int:
     out.flush()
     hisparse = "hisparse_config" in (spec["kwargs"].get("attention_config") or {})
     misses = 0
+    samples_done = 0
     cpus = os.environ.get("BENCH_TAX_CPUS", "")
     slow = os.environ.get("FAKE_ENGINE_SLOW_CPUS")
     for line in sys.stdin:
@@ -59,12 +63,17 @@ def main() -> int:
             ms = step_ms(spec, cmd["batch"]) * (1.3 if slow and cpus == slow else 1.0)
             t_short = 0.05 + cmd["m"] * ms / 1e3
             t_long = t_short + cmd["n"] * ms / 1e3
+            step_clock = os.environ.get("FAKE_ENGINE_STEP_MS") == "1"
+            if step_clock and not samples_done:
+                t_short += 0.5
+            samples_done += 1
             busy = 1.3 if hisparse else 1.0  # CPU seconds per wall second, computed
             gc = 0.02 if hisparse else 0.01  # collector pauses per wall second
             reply = {"t_short_s": t_short, "t_long_s": t_long, "cpu_short_s": busy * t_short,
                      "cpu_long_s": busy * t_long, "threads": [3, 40],
                      "gc_short_s": gc * t_short, "gc_long_s": gc * t_long,
                      "gc_collections": {"0": 5, "1": 0, "2": 0},
+                     **({"step_ms": ms, "step_count": cmd["n"]} if step_clock else {}),
                      "busy_threads": [{"thread": "1/1", "name": "python", "cpu_s": t_long}]}
             if os.environ.get("FAKE_ENGINE_LOG"):
                 with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:

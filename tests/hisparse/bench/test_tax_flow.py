@@ -166,3 +166,27 @@ def test_core_sets_rotate_so_a_slow_set_weighs_on_every_arm(tax_cmd, monkeypatch
     # the collector's pauses per decode step, by the same difference
     assert cell["gc_ms"]["off"]["median"] == pytest.approx(0.01 * cell["arms"]["off"]["median"])
     assert rep["samples"][0]["busy_threads"][0]["name"] == "python"
+
+
+def test_the_step_clock_is_the_estimator_where_every_sample_has_it(tax_cmd, monkeypatch):
+    """P2's method (run 5: A/A 0.89-1.05 by the difference of totals, one
+    sample's first generation 0.5 s slow): where every sample carries the
+    median step-to-step interval, the verdicts read it, and the difference
+    method's figures stay beside it under "totals"."""
+    monkeypatch.setenv("FAKE_ENGINE_STEP_MS", "1")
+    rc, rep, _ = tax_cmd("--arms", "off,on", "--modes", "fdo", "--batches", "16",
+                         "--reps", "3", "--no-rotate-cores")
+    assert rc == 0 and rep["failures"] == []
+    cell = rep["summary"]["fdo"]["4"]["16"]
+    assert cell["estimator"] == "step_ms"
+    assert cell["ratios"]["on/off"]["ratio_of_medians"] == pytest.approx(1.5)
+    assert cell["arms"]["off"]["max"] == pytest.approx(0.5 + 0.1 * 16)  # no slow sample
+    totals = cell["totals"]
+    assert totals["arms"]["off"]["min"] < 0  # the slow first short generation
+    assert rep["targets"]["P2"]["measured"]["fdo/batch16"]["ratio"] == pytest.approx(1.5)
+
+
+def test_without_a_step_clock_the_totals_are_the_estimator(tax_cmd):
+    rc, rep, _ = tax_cmd("--arms", "off,on", "--modes", "fdo", "--batches", "16", "--reps", "2")
+    cell = rep["summary"]["fdo"]["4"]["16"]
+    assert rc == 0 and cell["estimator"] == "ms_per_step" and "totals" not in cell

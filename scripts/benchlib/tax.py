@@ -192,39 +192,10 @@ def model_dir_name(layers: int, index_topk_freq: int = 1) -> str:
     return f"tiny_glm5_L{layers}{share}"
 
 
-STRIDED_ENV = "VLLM_HISPARSE_EXPERIMENTAL_STRIDED"  # binding.STRIDED_ENV (no vLLM import here)
-
 # tests/e2e/make_tiny_glm5.py's attention shapes (GLM-5's), which the layout
 # reads; tests/hisparse/bench/test_tax.py checks them against its config.
 TINY_ATTENTION = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
                   "index_topk": 256}
-
-
-def strided_layer_counts(cfg: TaxConfig) -> list[int] | None:
-    """The --layers whose HiSparse layout needs strided attention addressing,
-    which binding refuses (docs/worker.md K8): only a block that is a whole
-    number of 656-B-row pages is flat (e.g. 4 layers, or 8..64 with
-    --index-topk-freq 4). None when vLLM is not importable here (no check)."""
-    if not any(ARMS[a]["vllm"] == "ours" and ARMS[a]["hisparse"] for a in cfg.arms):
-        return []
-    try:
-        from vllm.v1.hisparse.layout import HiSparseParams, build_hisparse_layout
-        from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
-    except ImportError:
-        return None
-    topk = TINY_ATTENTION["index_topk"]
-    params = HiSparseParams(index_topk=topk, max_decode_query_len=1,
-                            device_buffer_size=2 * topk,
-                            admission_max_tokens=cfg.max_model_len, host_pool_bytes=0)
-    strided = []
-    for layers in cfg.layers:
-        hf = {**TINY_ATTENTION, "num_hidden_layers": layers,
-              "index_topk_freq": cfg.index_topk_freq}
-        layout = build_hisparse_layout(kv_cache_specs_from_hf_config(hf, block_size=64),
-                                       params)
-        if layout.addressing == "strided":
-            strided.append(layers)
-    return strided
 
 
 def engine_key(mode: str, layers: int, arm: str) -> str:

@@ -102,12 +102,12 @@ MODELS = {  # name -> make_tiny_glm5.py arguments, index_topk
     "dsv32": (["--arch", "dsv32"], 2048),
     # Issue 17 item 2: GLM-5's per-rank shapes at TP 4 and 8 (64 heads / TP)
     "glm_h16": (["--heads", "16"], INDEX_TOPK),
-    # docs/worker.md K8: 8 layers make a strided layout (Sa = B), which
-    # binding serves only on STRIDED_ENV until this model passes the gate
+    # docs/worker.md K8: 8 layers make a strided layout (Sa = B); its
+    # passing this gate (run 40) lifted binding's refusal of strided layouts
     "glm_l8": (["--layers", "8"], INDEX_TOPK),
     "glm_h8": (["--heads", "8"], INDEX_TOPK),
     # E2E-5 (docs/mtp.md 4): 3 layers + 1 MTP layer, flat addressing with 4
-    # pairs (4 layers + MTP would be strided, which binding refuses)
+    # pairs (4 layers + MTP would be strided)
     "glm_mtp": (["--layers", "3", "--mtp", "1"], INDEX_TOPK),
 }
 FEW_HEADS = ("glm_h16", "glm_h8")
@@ -151,7 +151,6 @@ SHARE_PRESSURE_BLOCKS = 392
 # At 620 the CPU simulation (simulate_pressure.py --engine on_l8) loses
 # pages in single6k and concurrent, with no preemption.
 L8_PRESSURE_BLOCKS = 620
-STRIDED_MODELS = ("glm_l8",)
 # E2E-5, MTP k at chunk 2048 (glm_mtp: 4 pairs as the 4-layer model): the
 # minimum with q = 1 + k (440 for k = 1, 472 for k = 3) + 26, the margin of
 # PRESSURE_BLOCKS[2048]. Needs GPU tuning: lower until single6k loses pages.
@@ -665,10 +664,6 @@ def engine_env(spec: dict, plan: list[str]) -> dict[str, str]:
         env[DEBUG_ENV] = "1"
     if spec["hisparse"] is not None and "fault_probe" in plan:
         env[FAULTS_ENV] = "1"
-    if spec["hisparse"] is not None and spec["model"] in STRIDED_MODELS:
-        from vllm.v1.hisparse.binding import STRIDED_ENV
-
-        env[STRIDED_ENV] = "1"
     return env
 
 

@@ -163,38 +163,6 @@ def test_the_tiny_attention_shapes_are_the_generated_models(tmp_path):
     assert tax.model_dir_name(4) == "tiny_glm5_L4" != tax.model_dir_name(4, 2)
 
 
-@pytest.mark.parametrize("layers, freq, strided", [
-    ([4], 1, []), ([4, 32], 1, [32]), ([8, 16], 1, [8, 16]), ([8, 32, 60], 4, []),
-])
-def test_layer_counts_with_strided_layouts_are_named(layers, freq, strided):
-    """Binding refuses strided attention addressing (docs/worker.md K8):
-    run 4's 32-layer engine failed on it after starting; bench-tax now
-    names such layer counts before any engine starts."""
-    assert tax.strided_layer_counts(cfg(layers=layers, index_topk_freq=freq)) == strided
-    off_only = cfg(layers=layers, index_topk_freq=freq, arms=["off"])
-    assert tax.strided_layer_counts(off_only) == []
-
-
-def test_bench_tax_refuses_a_strided_layer_count_in_one_line():
-    import os
-    import subprocess
-    import sys
-
-    from benchlib import common
-
-    script = common.REPO / "scripts" / "bench-tax"
-    env = {k: v for k, v in os.environ.items() if k != tax.STRIDED_ENV}
-    bad = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "4,32"],
-                         capture_output=True, text=True, env=env)
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert "--layers 32 with --index-topk-freq 1" in bad.stderr
-    good = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "8,32",
-                           "--index-topk-freq", "4", "--modes", "fdo"],
-                          capture_output=True, text=True)
-    assert good.returncode == 0, good.stderr
-    assert "tiny_glm5_L32_f4" in good.stdout
-
-
 def test_merge_refuses_runs_of_different_models():
     base = {"schema": tax.SCHEMA, "samples": [], "runs": [{}]}
     with pytest.raises(ValueError, match="different models"):
@@ -519,25 +487,6 @@ def test_the_engine_measures_its_process_trees_cpu_time():
     assert 0.1 < burned < 2.0
     threads = engine_worker.thread_counts()
     assert threads and threads[0] >= 1
-
-
-def test_the_strided_opt_in_is_the_bindings():
-    """bench-tax lets strided layer counts run on binding's own opt-in
-    (the engines inherit the environment), under the same name."""
-    import os
-    import subprocess
-    import sys
-
-    from benchlib import common
-    from vllm.v1.hisparse.binding import STRIDED_ENV
-
-    assert tax.STRIDED_ENV == STRIDED_ENV
-    script = common.REPO / "scripts" / "bench-tax"
-    ok = subprocess.run([sys.executable, str(script), "--dry-run", "--layers", "4,32"],
-                        capture_output=True, text=True,
-                        env={**os.environ, STRIDED_ENV: "1"})
-    assert ok.returncode == 0, ok.stderr
-    assert "served on" in ok.stderr + ok.stdout
 
 
 def test_rotated_core_sets_visit_every_set():

@@ -23,9 +23,6 @@ def tax_cmd(bench_tax, monkeypatch, tmp_path):
         return Path(path)
 
     monkeypatch.setattr(common, "ensure_model", model)
-    # 32 layers make a strided layout, which a real run refuses
-    # (test_tax.py); the stand-in engines serve any layer count.
-    monkeypatch.setattr(tax, "strided_layer_counts", lambda cfg: [])
     monkeypatch.setattr(bench_tax.Run, "worker_command", [sys.executable, str(HERE / "fake_engine.py")])
     calls = tmp_path / "calls.log"
     monkeypatch.setenv("FAKE_ENGINE_LOG", str(calls))

@@ -203,19 +203,3 @@ def test_the_runner_pads_no_hot_group_slot_mapping():
     runner.hisparse_runtime = None
     assert set(GPUModelRunner._get_slot_mappings(runner, 16, 4, 10)[0]) == set(range(n))
 
-
-def test_strided_addressing_is_served_only_on_its_opt_in(monkeypatch):
-    """K8: a strided layout (the tiny model at 8 layers) is refused with a
-    message naming the opt-in, served with it; a flat one either way."""
-    from vllm.v1.hisparse.binding import STRIDED_ENV, check_addressing
-
-    strided = tiny_config(num_layers=8).layout
-    flat = tiny_config(num_layers=4).layout
-    assert (strided.addressing, flat.addressing) == ("strided", "flat")
-    monkeypatch.delenv(STRIDED_ENV, raising=False)
-    with pytest.raises(RuntimeError, match=f"strided attention addressing.*{STRIDED_ENV}=1"):
-        check_addressing(strided)
-    check_addressing(flat)
-    monkeypatch.setenv(STRIDED_ENV, "1")
-    check_addressing(strided)
-    check_addressing(flat)

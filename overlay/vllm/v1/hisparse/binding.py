@@ -28,7 +28,6 @@ no-op unless the KV-cache config is HiSparse's:
   adopted pages, in the runner's request state and its persistent batch.
 """
 
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -295,7 +294,6 @@ def bind_runtime(
     layout = kv_cache_config.layout
     check_attention_impls(runner, layout)
     kernels.require_ops()
-    check_addressing(layout)
     slab = slab_of(kv_caches[layout.sparse_layers[0]])
     # Shared mode (4.12): collective over the TP group, every rank binds here.
     host_pool = acquire_host_pool(
@@ -368,28 +366,6 @@ def bind_runtime(
         held / MiB,
     )
     return runtime
-
-
-STRIDED_ENV = "VLLM_HISPARSE_EXPERIMENTAL_STRIDED"
-"""Set to 1 to serve a layout with strided attention addressing (spec 3.2:
-DeepSeek-V3.2's 61 layers, the tiny model at 8) before it has passed the
-GPU checks of docs/worker.md K8."""
-
-
-def check_addressing(layout: HiSparseLayout) -> None:
-    """K8: strided attention addressing only on STRIDED_ENV=1, until
-    FlashMLA sparse's decode kernel has been shown to read the block-strided
-    view (tests/hisparse/worker/test_strided_attention_gpu.py) and a strided
-    model has passed the e2e gate (engines off/on/rep_l8)."""
-    if layout.addressing != "strided" or os.environ.get(STRIDED_ENV) == "1":
-        return
-    raise RuntimeError(
-        "HiSparse: this model's layout needs strided attention addressing "
-        f"(bytes_per_block={layout.bytes_per_block} is not a multiple of the "
-        f"{layout.page_bytes}-B layer page), which FlashMLA sparse's decode path "
-        f"has not been verified with yet; set {STRIDED_ENV}=1 to try it, or see "
-        "docs/worker.md K8."
-    )
 
 
 def check_attention_impls(runner: "GPUModelRunner", layout: HiSparseLayout) -> None:

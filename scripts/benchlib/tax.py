@@ -362,8 +362,9 @@ def summarize(samples: Iterable[Mapping]) -> dict:
             # CPU ms per decode step over wall ms: ~1 is one busy thread;
             # well above 1, other threads burn cores beside it.
             cell["cpu"] = {}
+            walls = cell.get("totals", cell)["arms"]  # CPU time is a difference of totals
             for a, c in cpu.items():
-                wall = cell["arms"][a].get("median")
+                wall = walls[a].get("median")
                 cell["cpu"][a] = {**c, "busy_cores": (c["median"] / wall
                                                       if c.get("median") and wall else None)}
         for num, den, what in RATIOS:

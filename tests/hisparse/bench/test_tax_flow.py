@@ -181,6 +181,9 @@ def test_the_step_clock_is_the_estimator_where_every_sample_has_it(tax_cmd, monk
     totals = cell["totals"]
     assert totals["arms"]["off"]["min"] < 0  # the slow first short generation
     assert rep["targets"]["P2"]["measured"]["fdo/batch16"]["ratio"] == pytest.approx(1.5)
+    # busy cores divide CPU time by the wall time of the same totals
+    assert cell["cpu"]["on"]["busy_cores"] == pytest.approx(
+        cell["cpu"]["on"]["median"] / totals["arms"]["on"]["median"])
 
 
 def test_without_a_step_clock_the_totals_are_the_estimator(tax_cmd):

@@ -56,7 +56,7 @@ def stage_upstream(bundle: Path, stage: Path) -> dict:
     dg, marker = bundle / DEEP_GEMM, site(stage) / ".dg026"
     if not dg.exists() and not marker.exists():
         # 0.30.0's own DeepGEMM fails every call on torch 2.11 ("t.is_cuda()"
-        # at layout.hpp:45: the upstream server of results/agentic run 5
+        # at layout.hpp:45: the upstream server of results/agentic run 4
         # died on it at startup), so the peer cannot run without the swap.
         raise FileNotFoundError(
             f"no {bundle}/{DEEP_GEMM}: build it here with bash "

@@ -27,7 +27,7 @@ def test_stage_without_parts_says_how_to_build_them(tmp_path):
 
 
 def test_stage_without_deep_gemm_part_says_how_to_build_it(tmp_path):
-    """P8: 0.30.0's shipped DeepGEMM fails every call on torch 2.11 (run 5's
+    """P8: 0.30.0's shipped DeepGEMM fails every call on torch 2.11 (agentic run 4's
     upstream server died at startup on it), so staging refuses without the
     swap and names the command that builds it."""
     bundle, stage = make_bundle(tmp_path / "b", with_dg=False), tmp_path / "stage"

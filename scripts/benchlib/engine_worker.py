@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -183,13 +184,7 @@ class Engine:
         return {"warmup_s": self.timed(batch, m), "warmup_cached_s": self.timed(batch, m)}
 
     def step_median_ms(self) -> tuple[float, int] | tuple[None, None]:
-        """The median interval (ms) between the stamped steps of the last
-        generation, and how many intervals."""
-        st = self.step_stamps
-        if not st or len(st) < 3:
-            return None, None
-        gaps = sorted(b - a for a, b in zip(st, st[1:]))
-        return gaps[len(gaps) // 2] * 1e3, len(gaps)
+        return median_interval_ms(self.step_stamps)
 
     def sample(self, batch: int, n: int, m: int) -> dict:
         """Wall times of M and N + M new tokens, and the CPU time the engine's
@@ -317,6 +312,15 @@ def thread_counts() -> list[int]:
         except psutil.Error:
             continue
     return out
+
+
+def median_interval_ms(stamps: list[float] | None) -> tuple[float, int] | tuple[None, None]:
+    """The median interval (ms) between consecutive ``stamps`` (seconds) and
+    how many intervals; (None, None) below two intervals."""
+    if not stamps or len(stamps) < 3:
+        return None, None
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(gaps) * 1e3, len(gaps)
 
 
 def pin_tree(cpus) -> dict:

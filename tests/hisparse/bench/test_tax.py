@@ -576,3 +576,28 @@ def test_the_engine_names_its_busiest_thread_and_clocks_the_collector():
     finally:
         engine_worker.pin_tree(mine)
     assert sorted(os.sched_getaffinity(0)) == mine
+
+
+def test_the_engine_stamps_only_steps_that_return_tokens():
+    """P2's per-step estimator: the in-process client's get_output is
+    stamped when it returns tokens (async scheduling's empty calls are not
+    steps), and the median interval ignores one slow step (a prefill)."""
+    import types
+
+    from benchlib import engine_worker
+
+    results = iter([[1], [], [2], [3], [4], []])
+    client = types.SimpleNamespace(
+        get_output=lambda: types.SimpleNamespace(outputs=next(results)))
+    engine = engine_worker.Engine.__new__(engine_worker.Engine)
+    engine.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=client))
+    stamps = engine._clock_steps()
+    for _ in range(6):
+        client.get_output()
+    assert len(stamps) == 4
+    ms, n = engine_worker.median_interval_ms([0.0, 0.5, 0.502, 0.504, 0.506])
+    assert n == 4 and ms == pytest.approx(2.0)
+    assert engine_worker.median_interval_ms([0.0, 1.0]) == (None, None)
+    no_client = engine_worker.Engine.__new__(engine_worker.Engine)
+    no_client.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace())
+    assert no_client._clock_steps() is None

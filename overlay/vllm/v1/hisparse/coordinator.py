@@ -63,17 +63,6 @@ if TYPE_CHECKING:
     )
 
 
-_EMPTY_ROWS: dict[int, np.ndarray] = {}
-
-
-def _empty_rows(g: int) -> np.ndarray:
-    """int32 [0, g], shared and read only (P2: none allocated per step)."""
-    rows = _EMPTY_ROWS.get(g)
-    if rows is None:
-        rows = _EMPTY_ROWS[g] = empty_ids(np.int32, g)
-    return rows
-
-
 logger = init_logger(__name__)
 
 _CLEAN = sys.maxsize  # RequestResidency.dirty_from when the worker's table is current
@@ -1001,7 +990,7 @@ class HiSparseCoordinator:
         self._check_watermark()
         g = len(self.residents)
         meta = HiSparseStepMetadata(step=self.step)
-        meta.transfer_resident_blocks = meta.update_block_ids = _empty_rows(g)
+        meta.transfer_resident_blocks = meta.update_block_ids = empty_ids(np.int32, g)
         if self._dirty:
             self._residency_updates(meta, scheduler_output, g)
         spills = self._spills_to_send

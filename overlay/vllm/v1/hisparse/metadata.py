@@ -27,6 +27,7 @@ retires the transfer id (``retired_transfer_ids``): a lost step output then
 delays an ack instead of leaking the transfer's leases.
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,9 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 
+@functools.cache
 def empty_ids(dtype: type = np.int32, *shape: int) -> np.ndarray:
-    """A shared, read-only empty array: most steps send no transfers, updates
-    or hot regions, so a field left empty costs no allocation (P2)."""
+    """One shared, read-only empty array per (dtype, shape): most steps send
+    no transfers, updates or hot regions, so a field left empty costs no
+    allocation (P2)."""
     empty = np.zeros((0, *shape), dtype=dtype)
     empty.flags.writeable = False
     return empty

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.hisparse import debug_faults
-from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck
+from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck, empty_ids
 from vllm.v1.hisparse.runtime import HiSparseRuntime
 from vllm.v1.hisparse.tp_shared import HostSharing, ReaderHostWriteEvents, WriterLink
 
@@ -292,10 +292,6 @@ class MirrorPlan:
             first_token, n, g.block_size, g.bytes_per_block, g.row_bytes)
         return n
 
-    def slice_of(self, range_index: int) -> slice:
-        lo, hi = self.pair_ranges[range_index]
-        return slice(lo * self.num_rows, hi * self.num_rows)
-
     def spans_of(self, range_indices: list[int]) -> list[slice]:
         """The descriptors of ``range_indices`` (ascending) as contiguous
         slices: consecutive resident groups' slices merge."""
@@ -329,11 +325,6 @@ class MirrorPlan:
                     merged.append((lo, hi))
             spans = self._spans_cache[key] = tuple(merged)
         return spans
-
-
-_NO_TRANSFERS = np.zeros(0, dtype=np.int64)
-_NO_TRANSFERS.flags.writeable = False
-"""The pending spills of a step without transfers (shared, read only)."""
 
 
 @dataclass
@@ -460,7 +451,7 @@ class HiSparseWorker:
         rt.apply_hot_regions(
             meta.hot_regions_freed, meta.hot_regions_allocated, meta.hot_region_requests
         )
-        spills = _NO_TRANSFERS  # P2: a steady step has no transfers
+        spills = empty_ids(np.int64)  # P2: a steady step has no transfers
         if meta.transfer_restore.size:
             restore = meta.transfer_restore.astype(bool)
             if restore.any():

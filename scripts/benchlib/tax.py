@@ -268,14 +268,18 @@ def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm
                   gc_long_s: float | None = None, gc_collections: dict | None = None,
                   busy_threads: list[dict] | None = None,
                   cpus: Sequence[int] | None = None,
-                  step_ms: float | None = None, step_count: int | None = None) -> dict:
+                  step_ms: float | None = None, step_count: int | None = None,
+                  steady: Mapping | None = None) -> dict:
     """One sample; with the engine's CPU seconds (every process and thread)
     over the same two generations, ``cpu_ms_per_step`` is the CPU time a
     decode step costs, by the same (N + M) - M difference as its wall time;
     ``gc_ms_per_step`` likewise the garbage collector's pauses. ``cpus``:
     the core set the engine ran on (rotated across repetitions);
     ``step_ms``: the median interval between the engine loop's steps that
-    returned tokens during the long generation (``step_count`` of them)."""
+    returned tokens during the long generation (``step_count`` of them);
+    ``steady``: those intervals past the admission steps
+    (engine_worker.steady_intervals), whose stall-free mean is
+    ``steady_ms``, recorded beside the estimator for comparison."""
     rec = {"run": run, "mode": mode, "layers": layers, "batch": batch, "rep": rep,
            "arm": arm, "position": position, "t_short_s": t_short_s, "t_long_s": t_long_s,
            "n": n, "ms_per_step": stats.decode_ms(t_short_s, t_long_s, n)}
@@ -295,6 +299,8 @@ def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm
         rec["cpus"] = core_label(cpus)
     if step_ms:
         rec.update(step_ms=step_ms, step_count=step_count)
+    if steady:
+        rec.update(steady=dict(steady), steady_ms=steady["mean_ms"])
     return rec
 
 
@@ -327,6 +333,18 @@ def estimator_of(arms: Mapping[str, list[Mapping]]) -> str:
     return "step_ms" if every and all(s.get("step_ms") for s in every) else "ms_per_step"
 
 
+def statistic_of(estimator: str) -> str:
+    """What a cell's arms are compared by: "min" (the fastest sample) for
+    the step clock, else "median". Session 13 (results/tax/README.md run
+    6) found this VM's samples in two speed modes ~1.5x apart (off at
+    batch 1: 1.65-1.9 or 2.4-2.8 ms), in proportions that differ from arm
+    to arm: medians of identical engines read 0.86-1.33, the fastest
+    samples 0.98-1.05 in all eight A/A cells. Interference only adds
+    time, so the fastest sample of each arm is its fast-mode step; the
+    A/A control (off_b/off, same statistic) keeps guarding the method."""
+    return "min" if estimator == "step_ms" else "median"
+
+
 def summarize(samples: Iterable[Mapping]) -> dict:
     """summary[mode][layers][batch] = {"arms": {arm: spread of ms/step},
     "ratios": {num/den: {...}}, "estimator": the per-sample field they
@@ -340,14 +358,21 @@ def summarize(samples: Iterable[Mapping]) -> dict:
     out: dict = {}
     for (mode, L, b), arms in sorted(cells.items()):
         est = estimator_of(arms)
+        stat = statistic_of(est)
         cell = {"arms": {a: stats.spread([s[est] for s in ss])
                          for a, ss in sorted(arms.items())}, "ratios": {},
-                "estimator": est}
+                "estimator": est, "statistic": stat}
         if est != "ms_per_step":
             cell["totals"] = {
                 "arms": {a: stats.spread([s["ms_per_step"] for s in ss])
                          for a, ss in sorted(arms.items())},
                 "ratios": {f"{n}/{d}": ratio(arms[n], arms[d], w)
+                           for n, d, w in RATIOS if n in arms and d in arms}}
+        if all(s.get("steady_ms") for ss in arms.values() for s in ss):
+            cell["steady"] = {
+                "arms": {a: stats.spread([s["steady_ms"] for s in ss])
+                         for a, ss in sorted(arms.items())},
+                "ratios": {f"{n}/{d}": ratio(arms[n], arms[d], w, "steady_ms", "min")
                            for n, d, w in RATIOS if n in arms and d in arms}}
         cpu = {a: stats.spread([s["cpu_ms_per_step"] for s in ss])
                for a, ss in sorted(arms.items()) if all("cpu_ms_per_step" in s for s in ss)}
@@ -369,12 +394,12 @@ def summarize(samples: Iterable[Mapping]) -> dict:
                                                       if c.get("median") and wall else None)}
         for num, den, what in RATIOS:
             if num in arms and den in arms:
-                cell["ratios"][f"{num}/{den}"] = ratio(arms[num], arms[den], what, est)
+                cell["ratios"][f"{num}/{den}"] = ratio(arms[num], arms[den], what, est, stat)
         if "on" in arms and "off" in arms:
-            cell["tax_us"] = (cell["arms"]["on"]["median"] - cell["arms"]["off"]["median"]) * 1e3
+            cell["tax_us"] = (cell["arms"]["on"][stat] - cell["arms"]["off"][stat]) * 1e3
         if "u_on" in arms and "u_off" in arms:
-            cell["upstream_tax_us"] = (cell["arms"]["u_on"]["median"]
-                                       - cell["arms"]["u_off"]["median"]) * 1e3
+            cell["upstream_tax_us"] = (cell["arms"]["u_on"][stat]
+                                       - cell["arms"]["u_off"][stat]) * 1e3
         out.setdefault(mode, {}).setdefault(str(L), {})[str(b)] = cell
     return out
 
@@ -397,20 +422,27 @@ def by_core_set(arms: Mapping[str, list[Mapping]], field: str = "ms_per_step") -
 
 
 def ratio(num: list[Mapping], den: list[Mapping], what: str,
-          field: str = "ms_per_step") -> dict:
-    """The ratio of the medians, and the spread of the per-repetition
-    ratios (samples of the same run and repetition paired), of ``field``."""
-    mn = stats.median([s[field] for s in num])
-    md = stats.median([s[field] for s in den])
+          field: str = "ms_per_step", statistic: str = "median") -> dict:
+    """The ratios of the medians and of the minima of ``field``, ``ratio``
+    the one of ``statistic`` (statistic_of), and the spread of the
+    per-repetition ratios (samples of the same run and repetition paired)."""
+    def of(pick):
+        n, d = pick([s[field] for s in num]), pick([s[field] for s in den])
+        return n / d if d > 0 else None
+
     by_rep = {(s["run"], s["rep"]): s[field] for s in den}
     pairs = [s[field] / by_rep[(s["run"], s["rep"])] for s in num
              if (s["run"], s["rep"]) in by_rep and by_rep[(s["run"], s["rep"])] > 0]
-    return {"what": what, "ratio_of_medians": mn / md if md > 0 else None,
+    medians, minima = of(stats.median), of(min)
+    return {"what": what, "statistic": statistic,
+            "ratio": minima if statistic == "min" else medians,
+            "ratio_of_medians": medians, "ratio_of_minima": minima,
             "pairwise": stats.spread(pairs)}
 
 
 def fits(summary: Mapping, num: str = "on", den: str = "off") -> dict:
-    """fit[mode][batch] = tax (us per step, median num - median den) =
+    """fit[mode][batch] = tax (us per step, num - den by each cell's
+    statistic) =
     fixed_us + per_layer_us x layers, over the layer counts measured."""
     out: dict = {}
     for mode, by_layers in summary.items():
@@ -418,9 +450,10 @@ def fits(summary: Mapping, num: str = "on", den: str = "off") -> dict:
         for b in sorted(batches, key=int):
             pts = []
             for L, cells in by_layers.items():
-                arms = cells.get(b, {}).get("arms", {})
+                cell = cells.get(b, {})
+                arms, stat = cell.get("arms", {}), cell.get("statistic", "median")
                 if num in arms and den in arms and arms[num].get("n") and arms[den].get("n"):
-                    pts.append((int(L), (arms[num]["median"] - arms[den]["median"]) * 1e3))
+                    pts.append((int(L), (arms[num][stat] - arms[den][stat]) * 1e3))
             if len({L for L, _ in pts}) < 2:
                 continue
             pts.sort()
@@ -433,8 +466,8 @@ def fits(summary: Mapping, num: str = "on", den: str = "off") -> dict:
 
 def _ratio_map(summary: Mapping, key: str, layers: int | None = None,
                batch: int | None = None) -> dict:
-    """(mode, batch) -> ratio_of_medians of ``key`` at ``layers`` (None: the
-    fewest layers measured)."""
+    """(mode, batch) -> the headline ratio (``ratio``: of the cell's
+    statistic) of ``key`` at ``layers`` (None: the fewest layers measured)."""
     out = {}
     for mode, by_layers in summary.items():
         have = sorted((int(L) for L, cells in by_layers.items()
@@ -443,7 +476,7 @@ def _ratio_map(summary: Mapping, key: str, layers: int | None = None,
             continue
         L = layers if layers is not None else have[0]
         for b, cell in by_layers.get(str(L), {}).items():
-            r = cell["ratios"].get(key, {}).get("ratio_of_medians")
+            r = cell["ratios"].get(key, {}).get("ratio")
             if r is not None and (batch is None or int(b) == batch):
                 out[(mode, int(b))] = r
     return out

@@ -73,7 +73,9 @@ def main() -> int:
                      "cpu_long_s": busy * t_long, "threads": [3, 40],
                      "gc_short_s": gc * t_short, "gc_long_s": gc * t_long,
                      "gc_collections": {"0": 5, "1": 0, "2": 0},
-                     **({"step_ms": ms, "step_count": cmd["n"]} if step_clock else {}),
+                     **({"step_ms": ms, "step_count": cmd["n"],
+                         "steady": {"mean_ms": ms, "median_ms": ms, "count": cmd["n"] - 1,
+                                    "stalls": 0, "stall_ms": 0.0}} if step_clock else {}),
                      "busy_threads": [{"thread": "1/1", "name": "python", "cpu_s": t_long}]}
             if os.environ.get("FAKE_ENGINE_LOG"):
                 with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:

@@ -601,3 +601,72 @@ def test_the_engine_stamps_only_steps_that_return_tokens():
     no_client = engine_worker.Engine.__new__(engine_worker.Engine)
     no_client.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace())
     assert no_client._clock_steps() is None
+
+
+def _clocked(arm, rep, step_ms, L=4, b=1, steady=None):
+    return tax.sample_record(run=0, mode="fdo", layers=L, batch=b, rep=rep, arm=arm,
+                             position=0, t_short_s=0.1, t_long_s=0.1 + 0.128 * step_ms,
+                             n=128, step_ms=step_ms, step_count=143, steady=steady)
+
+
+def test_two_speed_modes_read_as_one_by_the_fastest_sample():
+    """P2/P6's method (the A/A control): run 6 found this VM's samples in
+    two speed modes ~1.5x apart, in proportions that differ per arm. Two
+    identical engines then read 0.86-1.33 by medians; the fastest sample of
+    each arm (the statistic of a step-clock cell) reads them alike, and a
+    real 1.3x tax still shows in both."""
+    fast, slow = 1.7, 2.6
+    modes = {"off": [fast] * 5 + [slow] * 2, "off_b": [fast] * 2 + [slow] * 5,
+             "on": [1.3 * fast] * 3 + [1.3 * slow] * 4}
+    recs = [_clocked(arm, rep, ms) for arm, v in modes.items() for rep, ms in enumerate(v)]
+    cell = tax.summarize(recs)["fdo"]["4"]["1"]
+    assert cell["estimator"] == "step_ms" and cell["statistic"] == "min"
+    aa = cell["ratios"]["off_b/off"]
+    assert aa["ratio_of_medians"] == pytest.approx(slow / fast)  # the medians' A/A fails
+    assert aa["ratio"] == aa["ratio_of_minima"] == pytest.approx(1.0)
+    assert cell["ratios"]["on/off"]["ratio"] == pytest.approx(1.3)
+    assert cell["tax_us"] == pytest.approx(0.3 * fast * 1e3)
+    verdict = tax.evaluate(tax.summarize(recs))
+    assert verdict["aa_control"]["pass"] is True and verdict["P2"]["pass"] is False
+    # without a step clock the cell keeps medians (the totals method's statistic)
+    totals = tax.summarize(samples({"off": {("fdo", 4, 1): 2.0},
+                                    "on": {("fdo", 4, 1): 2.2}}))["fdo"]["4"]["1"]
+    assert totals["statistic"] == "median"
+    assert totals["ratios"]["on/off"]["ratio"] == totals["ratios"]["on/off"]["ratio_of_medians"]
+
+
+def test_the_fit_reads_each_cells_statistic():
+    """P2 split: fixed + per layer from the fastest samples where the cells
+    are step-clocked (a slow mode in one arm must not bend the fit)."""
+    recs = []
+    for L, tax_ms in ((8, 0.1), (32, 0.22)):  # 60 us + 5 us x layers
+        for rep in range(4):
+            slow = 1.5 if rep == 0 else 1.0  # one slow-mode sample in the off arm
+            recs += [_clocked("off", rep, 2.0 * slow, L=L, b=16),
+                     _clocked("on", rep, 2.0 + tax_ms, L=L, b=16)]
+    fit = tax.fits(tax.summarize(recs))["fdo"]["16"]
+    assert fit["fixed_us"] == pytest.approx(60.0)
+    assert fit["per_layer_us"] == pytest.approx(5.0)
+
+
+def test_steady_intervals_skip_admission_and_see_bursts():
+    """P2's per-step figure: the steady part of the long generation. The
+    first ``skip`` stamps (prefill, admission steps) are left out, pairs of
+    outputs (async scheduling) keep the mean at the per-token step while the
+    median overstates it, and a stall is counted, not averaged in."""
+    from benchlib import engine_worker
+
+    admission = [0.0, 0.05, 0.10]  # slow first steps
+    t, stamps = 0.10, list(admission)
+    for i in range(40):  # bursts: 3.0 ms, then 1.0 ms (mean 2.0)
+        t += 0.003 if i % 2 == 0 else 0.001
+        stamps.append(t)
+    stamps.append(t + 0.050)  # one 50 ms stall
+    st = engine_worker.steady_intervals(stamps, skip=2)
+    assert st["count"] == 41 and st["stalls"] == 1 and st["stall_ms"] == pytest.approx(50.0)
+    assert st["mean_ms"] == pytest.approx(2.0, rel=1e-6)
+    assert st["median_ms"] == pytest.approx(3.0, rel=1e-6)
+    assert st["short_share"] == pytest.approx(20 / 41)
+    assert engine_worker.steady_intervals(stamps[:5], skip=2) is None
+    rec = _clocked("on", 0, 3.0, steady=st)
+    assert rec["steady_ms"] == pytest.approx(2.0, rel=1e-6) and rec["steady"]["stalls"] == 1

@@ -113,6 +113,8 @@ class Engine:
         t0 = time.time()
         self.llm = LLM(**to_configs(kwargs, self.flavor))
         self.info["init_s"] = round(time.time() - t0, 1)
+        # off_pinned: the on arm's pool size pinned beside an off engine
+        self._pinned, self.info["pinned_host"] = pin_host_region(spec.get("pin_host_gib"))
         if after_load:
             self.info["seeded_weights"] += "; " + apply_seeded(self.llm)
         self.info["cpus"] = sorted(os.sched_getaffinity(0))
@@ -203,7 +205,8 @@ class Engine:
             t_long = self.timed(batch, n + m)
             c2, g2, th2 = process_tree_cpu_s(), gc_clock.total_s, thread_cpu_s()
         step_ms, step_count = self.step_median_ms()
-        return {"t_short_s": t_short, "t_long_s": t_long,
+        probe = self.probe()
+        return {"t_short_s": t_short, "t_long_s": t_long, "probe": probe,
                 "step_ms": step_ms, "step_count": step_count,
                 "steady": steady_intervals(self.step_stamps, skip=m + 1),
                 "cpu_short_s": c1 - c0, "cpu_long_s": c2 - c1,
@@ -214,6 +217,27 @@ class Engine:
 
     def pin(self, cpus: list[int]) -> dict:
         return pin_tree(cpus)
+
+    def probe(self, tries: int = 3) -> dict:
+        """Fixed workloads outside vLLM, the same in every process: pure
+        Python (dict and sort work, the kind the scheduler does) and 100
+        launches of a tiny kernel, timed on the host before the device
+        catches up (the CUDA runtime's per-call cost). The fastest of
+        ``tries``. Where these read slower in one arm, that process runs
+        slower, whatever HiSparse's code does."""
+        import torch
+
+        best_py = min(_timed_us(_python_work) for _ in range(tries))
+        out = {"python_us": best_py}
+        if torch.cuda.is_available():
+            x = torch.zeros(16, device="cuda")
+            torch.cuda.synchronize()
+            launches = []
+            for _ in range(tries):
+                launches.append(_timed_us(lambda: [x.add_(1) for _ in range(100)]))
+                torch.cuda.synchronize()  # deliberate: outside the timed region
+            out["launch_us"] = min(launches)
+        return out
 
     def profile(self, batch: int, n: int, m: int) -> dict:
         from torch.autograd import DeviceType
@@ -322,6 +346,40 @@ def median_interval_ms(stamps: list[float] | None) -> tuple[float, int] | tuple[
         return None, None
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return statistics.median(gaps) * 1e3, len(gaps)
+
+
+def _python_work() -> int:
+    d = {i: (i * 7919) % 1009 for i in range(4000)}
+    return sum(sorted(d.values(), reverse=True)[:100]) + len([k for k in d if k % 3])
+
+
+def _timed_us(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def pin_host_region(gib: float | None):
+    """(mapping, info): an anonymous host region of ``gib`` GiB registered
+    with CUDA as HiSparse registers its pool (portable | mapped, one
+    registration; vllm/v1/hisparse/host_pool.py), kept for the process's
+    life. (None, None) for no size. Raises where CUDA refuses."""
+    if not gib:
+        return None, None
+    import mmap
+
+    import numpy as np
+    import torch
+
+    size = int(gib * (1 << 30))
+    region = mmap.mmap(-1, size)
+    ptr = np.frombuffer(region, dtype=np.uint8).ctypes.data
+    t0 = time.time()
+    code = torch.cuda.cudart().cudaHostRegister(ptr, size, 1 | 2)
+    code = int(getattr(code, "value", code))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {gib} GiB failed with CUDA error {code}")
+    return region, {"gib": gib, "register_s": round(time.time() - t0, 2)}
 
 
 STALL_FACTOR = 5.0

@@ -30,6 +30,11 @@ ARMS: dict[str, dict] = {
               "doc": "a second off engine on its own cores (A/A control: off_b/off is the "
                      "method's floor; a ratio away from 1 is process or core placement, "
                      "not HiSparse)"},
+    "off_pinned": {"vllm": "ours", "hisparse": False, "pin_host": True,
+                   "doc": "as off, plus a host region of the on arm's pool size registered "
+                          "with CUDA as HiSparse registers its pool: whether pinned host "
+                          "memory alone slows the process (run 4's cProfile: code HiSparse "
+                          "does not touch ran ~1.3x slower in the on process)"},
     "on": {"vllm": "ours", "hisparse": True, "eager_host_mirror": True,
            "doc": "HiSparse on, no pressure: ample GPU pool, resident window = max_model_len"},
     "on_offload": {"vllm": "ours", "hisparse": True, "eager_host_mirror": True, "offload": True,
@@ -52,6 +57,7 @@ RATIOS = (
     ("on_step", "on", "k7_zero_miss"),
     ("u_on", "u_off", "upstream_p2"),
     ("off_b", "off", "aa_control"),
+    ("off_pinned", "off", "pinned_pool_only"),
 )
 MODES = {
     "default": {},  # vLLM's defaults: async scheduling, FULL_AND_PIECEWISE
@@ -187,6 +193,16 @@ def llm_kwargs(cfg: TaxConfig, arm: str, mode: str, layers: int, model_dir: str)
     return kw
 
 
+def engine_spec(cfg: TaxConfig, arm: str, mode: str, layers: int, model_dir: str) -> dict:
+    """What engine_worker starts: the vLLM flavour, the LLM arguments and,
+    for ``off_pinned``, the host region to pin beside the engine (the
+    size of the on arm's pool at this layer count)."""
+    spec = {"vllm": ARMS[arm]["vllm"], "kwargs": llm_kwargs(cfg, arm, mode, layers, model_dir)}
+    if ARMS[arm].get("pin_host"):
+        spec["pin_host_gib"] = cfg.host_gib(layers)
+    return spec
+
+
 def model_dir_name(layers: int, index_topk_freq: int = 1) -> str:
     share = f"_f{index_topk_freq}" if index_topk_freq > 1 else ""
     return f"tiny_glm5_L{layers}{share}"
@@ -269,7 +285,7 @@ def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm
                   busy_threads: list[dict] | None = None,
                   cpus: Sequence[int] | None = None,
                   step_ms: float | None = None, step_count: int | None = None,
-                  steady: Mapping | None = None) -> dict:
+                  steady: Mapping | None = None, probe: Mapping | None = None) -> dict:
     """One sample; with the engine's CPU seconds (every process and thread)
     over the same two generations, ``cpu_ms_per_step`` is the CPU time a
     decode step costs, by the same (N + M) - M difference as its wall time;
@@ -301,6 +317,8 @@ def sample_record(*, run: int, mode: str, layers: int, batch: int, rep: int, arm
         rec.update(step_ms=step_ms, step_count=step_count)
     if steady:
         rec.update(steady=dict(steady), steady_ms=steady["mean_ms"])
+    if probe:
+        rec["probe"] = dict(probe)
     return rec
 
 
@@ -380,6 +398,9 @@ def summarize(samples: Iterable[Mapping]) -> dict:
                  for a, ss in sorted(arms.items()) if all("gc_ms_per_step" in s for s in ss)}
         if gc_ms:
             cell["gc_ms"] = gc_ms
+        probe = probe_summary(arms)
+        if probe:
+            cell["probe"] = probe
         by_cpus = by_core_set(arms, est)
         if by_cpus:
             cell["by_cpus"] = by_cpus
@@ -401,6 +422,29 @@ def summarize(samples: Iterable[Mapping]) -> dict:
             cell["upstream_tax_us"] = (cell["arms"]["u_on"][stat]
                                        - cell["arms"]["u_off"][stat]) * 1e3
         out.setdefault(mode, {}).setdefault(str(L), {})[str(b)] = cell
+    return out
+
+
+PROBES = ("python_us", "launch_us")
+
+
+def probe_summary(arms: Mapping[str, list[Mapping]]) -> dict:
+    """{"arms": {arm: {probe: spread}}, "ratios": {"on/off": {probe: ratio
+    of minima}}} of the fixed workloads each engine ran after its sample
+    (engine_worker.probe): the same pure-Python work and the same kernel
+    launches in every process, so a ratio away from 1 is the process
+    running slower, not HiSparse's code (run 4: ``schedule``'s own time
+    ~1.3x in the on process). {} unless every sample has them."""
+    every = [s for ss in arms.values() for s in ss]
+    have = [p for p in PROBES if every and all((s.get("probe") or {}).get(p) for s in every)]
+    if not have:
+        return {}
+    lows = {a: {p: min(s["probe"][p] for s in ss) for p in have} for a, ss in arms.items()}
+    out = {"arms": {a: {p: stats.spread([s["probe"][p] for s in ss]) for p in have}
+                    for a, ss in sorted(arms.items())}, "ratios": {}}
+    for num, den, _ in RATIOS:
+        if num in lows and den in lows:
+            out["ratios"][f"{num}/{den}"] = {p: lows[num][p] / lows[den][p] for p in have}
     return out
 
 

@@ -76,7 +76,10 @@ def main() -> int:
                      **({"step_ms": ms, "step_count": cmd["n"],
                          "steady": {"mean_ms": ms, "median_ms": ms, "count": cmd["n"] - 1,
                                     "stalls": 0, "stall_ms": 0.0}} if step_clock else {}),
-                     "busy_threads": [{"thread": "1/1", "name": "python", "cpu_s": t_long}]}
+                     "busy_threads": [{"thread": "1/1", "name": "python", "cpu_s": t_long}],
+                     # a process that runs slower: the same fixed work takes longer
+                     "probe": {"python_us": 1000.0 * (1.25 if hisparse else 1.0),
+                               "launch_us": 400.0}}
             if os.environ.get("FAKE_ENGINE_LOG"):
                 with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
                     f.write(f"{key} {cmd['batch']}\n")

@@ -670,3 +670,53 @@ def test_steady_intervals_skip_admission_and_see_bursts():
     assert engine_worker.steady_intervals(stamps[:5], skip=2) is None
     rec = _clocked("on", 0, 3.0, steady=st)
     assert rec["steady_ms"] == pytest.approx(2.0, rel=1e-6) and rec["steady"]["stalls"] == 1
+
+
+def test_off_pinned_is_off_plus_the_on_arms_pool():
+    """P2 diagnosis (run 4: code HiSparse does not touch ~1.3x slower in the
+    on process): ``off_pinned`` starts exactly the off engine and pins, beside
+    it, a host region of the on arm's pool size at that layer count."""
+    cfg = tax.TaxConfig(arms=["off", "off_pinned", "on"], layers=[4, 32])
+    for L in (4, 32):
+        off = tax.engine_spec(cfg, "off", "fdo", L, "/m")
+        pinned = tax.engine_spec(cfg, "off_pinned", "fdo", L, "/m")
+        on = tax.engine_spec(cfg, "on", "fdo", L, "/m")
+        assert pinned["kwargs"] == off["kwargs"] and "pin_host_gib" not in off
+        assert pinned["pin_host_gib"] == on["kwargs"]["attention_config"][
+            "hisparse_config"]["host_pool_gib"] > 0
+    from benchlib import engine_worker
+
+    assert engine_worker.pin_host_region(None) == (None, None)
+
+
+def test_the_process_probe_compares_the_fastest_runs():
+    """P2 diagnosis: each sample carries the engine's fixed-work probe;
+    the cell compares arms by their fastest probe (the statistic of run 6),
+    so one slow-mode sample does not make a process look slow."""
+    recs = []
+    for rep in range(4):
+        for arm, py in (("off", 1000.0), ("off_pinned", 1300.0), ("on", 1300.0)):
+            slow = 1.6 if (arm == "off" and rep == 0) else 1.0
+            recs.append(tax.sample_record(
+                run=0, mode="fdo", layers=4, batch=1, rep=rep, arm=arm, position=0,
+                t_short_s=0.1, t_long_s=0.4, n=128, step_ms=2.0, step_count=143,
+                probe={"python_us": py * slow, "launch_us": 400.0}))
+    probe = tax.summarize(recs)["fdo"]["4"]["1"]["probe"]
+    assert probe["ratios"]["on/off"] == pytest.approx({"python_us": 1.3, "launch_us": 1.0})
+    assert probe["ratios"]["off_pinned/off"]["python_us"] == pytest.approx(1.3)
+    assert probe["arms"]["off"]["python_us"]["max"] == pytest.approx(1600.0)
+    # no probe in some sample: no probe figures at all
+    recs[0].pop("probe")
+    assert "probe" not in tax.summarize(recs)["fdo"]["4"]["1"]
+
+
+def test_the_probe_runs_without_a_gpu():
+    """The probe's Python part runs anywhere; its launches only with CUDA."""
+    import torch
+
+    from benchlib import engine_worker
+
+    engine = engine_worker.Engine.__new__(engine_worker.Engine)
+    out = engine.probe(tries=2)
+    assert out["python_us"] > 0
+    assert ("launch_us" in out) == torch.cuda.is_available()

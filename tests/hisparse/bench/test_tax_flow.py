@@ -179,6 +179,10 @@ def test_the_step_clock_is_the_estimator_where_every_sample_has_it(tax_cmd, monk
     assert cell["ratios"]["on/off"]["ratio"] == pytest.approx(1.5)
     # the steady intervals' mean rides along, compared by the same statistic
     assert cell["steady"]["ratios"]["on/off"]["ratio"] == pytest.approx(1.5)
+    # and the process probe: the fixed Python work ran 1.25x slower in the
+    # on engine, its launches alike
+    assert cell["probe"]["ratios"]["on/off"] == pytest.approx(
+        {"python_us": 1.25, "launch_us": 1.0})
     assert cell["arms"]["off"]["max"] == pytest.approx(0.5 + 0.1 * 16)  # no slow sample
     totals = cell["totals"]
     assert totals["arms"]["off"]["min"] < 0  # the slow first short generation

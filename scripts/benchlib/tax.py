@@ -532,8 +532,11 @@ P2's ratios, P6 and P8's tax are read at this layer count; others only
 enter the fit."""
 
 
-def evaluate(summary: Mapping) -> dict:
+def evaluate(summary: Mapping, profiles: Mapping | None = None) -> dict:
     fit = fits(summary)
+    device = device_fits(profiles or {})
+    split_device = targets.p2_split({(m, int(b)): f for m, fb in device.items()
+                                     for b, f in fb.items()})
     p6 = {mode: r for (mode, _), r in _ratio_map(summary, "on/on_lazy", layers=TINY_LAYERS,
                                                    batch=targets.P6_BATCH).items()}
     ours = _ratio_map(summary, "on/off", layers=TINY_LAYERS)
@@ -548,6 +551,9 @@ def evaluate(summary: Mapping) -> dict:
         "P8_tax": targets.p8_tax(ours, up),
         "offload_adds_nothing": offload_verdict(offload),
         "aa_control": aa_verdict(aa),
+        "P2_split_device": {**split_device, "id": "P2_split_device",
+                            "why": split_device.get("why") or
+                            "the device part (profiles' kernel + copy time) of the split"},
     }
 
 
@@ -768,6 +774,44 @@ def profile_diff(profiles: Mapping[str, Mapping], floor: float = 0.5) -> dict:
     return out
 
 
+def device_fits(profiles: Mapping[str, Mapping], num: str = "on", den: str = "off") -> dict:
+    """fit[mode][batch] of the *device* part of the tax: (kernel + copy us
+    per step of ``num``) - (of ``den``) = fixed_us + per_layer_us x layers,
+    from the profiles (keys "[run<i>:]mode/L<n>/arm/batch<b>") of two or
+    more layer counts. Run 6: on the tiny model the host part does not
+    scale with layers (4-8 layers are host-bound, at 32 async scheduling
+    hides part of it behind the GPU), so the fit of step times came out
+    negative; the device part is what grows with a GLM-5.x's layers, and
+    what a GPU-bound step pays in full."""
+    def device_us(prof: Mapping) -> float:
+        ps = prof.get("per_step", {})
+        return ps.get("device_kernel_us", 0.0) + ps.get("device_copy_us", 0.0)
+
+    pts: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for key, prof in profiles.items():
+        run, _, rest = key.rpartition(":")
+        parts = rest.split("/")
+        if len(parts) != 4 or parts[2] != num or not parts[1].startswith("L"):
+            continue
+        base = profiles.get(f"{run}:" * bool(run) + "/".join([parts[0], parts[1], den,
+                                                               parts[3]]))
+        if base is None:
+            continue
+        mode, batch = parts[0], parts[3].removeprefix("batch")
+        pts.setdefault((mode, batch), {}).setdefault(int(parts[1][1:]), []).append(
+            device_us(prof) - device_us(base))
+    out: dict = {}
+    for (mode, batch), by_l in sorted(pts.items()):
+        if len(by_l) < 2:
+            continue
+        layers = sorted(by_l)
+        taxes = [stats.median(by_l[L]) for L in layers]
+        fixed, per_layer = stats.linear_fit(layers, taxes)
+        out.setdefault(mode, {})[batch] = {"fixed_us": fixed, "per_layer_us": per_layer,
+                                           "layers": layers, "device_tax_us": taxes}
+    return out
+
+
 # ------------------------------------------------------------ report
 
 
@@ -790,7 +834,8 @@ def build_report(*, cfg: TaxConfig | None, command: str | None, samples: list,
         "engines": engines_info,
         "summary": summary,
         "fit": {m: {str(b): f for b, f in fb.items()} for m, fb in fits(summary).items()},
-        "targets": evaluate(summary),
+        "device_fit": device_fits(profiles),
+        "targets": evaluate(summary, profiles),
         "profile": profiles,
         "profile_diff": profile_diff(profiles),
         "samples": samples,

@@ -310,10 +310,11 @@ def test_report_schema():
         profiles={}, runs=[{"started": "x"}], failures=[])
     assert rep["schema"] == tax.SCHEMA
     for key in ("command", "config", "arms", "modes", "method", "runs", "engines", "summary",
-                "fit", "targets", "profile", "profile_diff", "samples", "failures"):
+                "fit", "device_fit", "targets", "profile", "profile_diff", "samples",
+                "failures"):
         assert key in rep
     assert set(rep["targets"]) == {"P2", "P2_split", "P6", "P8_tax", "offload_adds_nothing",
-                                   "aa_control"}
+                                   "aa_control", "P2_split_device"}
     assert rep["targets"]["P2"]["target"] == targets.TEXT["P2"]
     json.dumps(rep)
 
@@ -720,3 +721,35 @@ def test_the_probe_runs_without_a_gpu():
     out = engine.probe(tries=2)
     assert out["python_us"] > 0
     assert ("launch_us" in out) == torch.cuda.is_available()
+
+
+def _profile(device_kernel_us: float, copies_us: float = 5.0) -> dict:
+    return {"per_step": {"device_kernel_us": device_kernel_us, "device_copy_us": copies_us}}
+
+
+def test_the_device_fit_splits_what_scales_with_layers():
+    """P2 split (device part): run 6's fit of step times came out negative
+    (a host-bound step hides nothing at 4-8 layers, part at 32); the
+    profiles' device time per step, on minus off, gives fixed + per layer,
+    across runs of a merge too, and P2_split_device judges it."""
+    profiles = {}
+    for run, L in ((0, 8), (1, 32)):
+        for batch in (1, 16):
+            off = 600.0 + 20.0 * L
+            extra = 10.0 + 2.0 * L + (30.0 if batch == 16 else 0.0)
+            profiles[f"run{run}:fdo/L{L}/off/batch{batch}"] = _profile(off)
+            profiles[f"run{run}:fdo/L{L}/on/batch{batch}"] = _profile(off + extra)
+    fit = tax.device_fits(profiles)
+    assert fit["fdo"]["1"]["fixed_us"] == pytest.approx(10.0)
+    assert fit["fdo"]["1"]["per_layer_us"] == pytest.approx(2.0)
+    assert fit["fdo"]["16"]["fixed_us"] == pytest.approx(40.0)
+    assert fit["fdo"]["1"]["device_tax_us"] == pytest.approx([26.0, 74.0])
+    v = tax.evaluate({}, profiles)["P2_split_device"]
+    assert v["id"] == "P2_split_device" and v["pass"] is True
+    # 5 us per layer is over P2's 4: the same split fails
+    profiles["run1:fdo/L32/on/batch1"] = _profile(600.0 + 20.0 * 32 + 10.0 + 5.0 * 32 + 24.0)
+    assert tax.evaluate({}, profiles)["P2_split_device"]["pass"] is False
+    # one layer count: no fit, no verdict
+    one = {k: v for k, v in profiles.items() if "/L8/" in k}
+    assert tax.device_fits(one) == {}
+    assert tax.evaluate({}, one)["P2_split_device"]["pass"] is None

@@ -374,6 +374,25 @@ def test_profile_per_step_is_the_difference_over_the_extra_steps():
         tax.profile_per_step([], [], 0)
 
 
+def test_the_short_generation_is_kept_whole():
+    """P2 diagnosis (session 13: a prefix hit's admission ~10 ms slower with
+    HiSparse on): the per-step figures subtract the M-token generation, so
+    the profile also keeps it whole, its host ops and Python functions by
+    self time, largest first."""
+    short = [{"name": "aten::sort", "device": "cpu", "count": 8, "self_cpu_us": 40000.0},
+             {"name": "cudaLaunchKernel", "device": "cpu", "count": 90, "self_cpu_us": 900.0},
+             {"name": "attn", "device": "cuda", "count": 16, "self_device_us": 99999.0}]
+    py = [{"fn": "staging.py:10(plan)", "calls": 16, "tottime": 0.012, "cumtime": 0.02},
+          {"fn": "scheduler.py:1(schedule)", "calls": 17, "tottime": 0.003, "cumtime": 0.05}]
+    g = tax.profile_per_step(short, short, 128, python={"short": py, "long": py})[
+        "short_generation"]
+    assert list(g["ops_self_cpu_ms"].items()) == [("aten::sort", 40.0),
+                                                  ("cudaLaunchKernel", 0.9)]
+    assert list(g["python_self_ms"]) == ["staging.py:10(plan)", "scheduler.py:1(schedule)"]
+    assert g["python_self_ms"]["staging.py:10(plan)"] == pytest.approx(12.0)
+    assert "python_self_ms" not in tax.short_generation(short)
+
+
 def test_profile_diff_names_what_an_arm_adds_per_step():
     """P2 (issue 16 item 1): the profile of each HiSparse arm minus the off
     arm's at the same mode, layers and batch, per kernel name, copy kind

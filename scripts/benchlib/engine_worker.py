@@ -403,9 +403,11 @@ def steady_intervals(stamps: list[float] | None, skip: int) -> dict | None:
     med = statistics.median(gaps)
     kept = [g for g in gaps if g <= STALL_FACTOR * med]
     stalls = gaps[len(kept):]
-    q = statistics.quantiles(gaps, n=10) if len(gaps) >= 10 else [gaps[0]] * 9
+    # below ten intervals the extremes stand in for the deciles
+    p10, p90 = (statistics.quantiles(gaps, n=10)[::8] if len(gaps) >= 10
+                else (gaps[0], gaps[-1]))
     return {"mean_ms": statistics.fmean(kept) * 1e3, "median_ms": med * 1e3,
-            "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3, "count": len(gaps),
+            "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3, "count": len(gaps),
             "stalls": len(stalls), "stall_ms": sum(stalls) * 1e3,
             "short_share": sum(g < 0.5 * med for g in gaps) / len(gaps)}
 

@@ -57,7 +57,8 @@ def _combine(checks: Iterable[bool], missing: list) -> bool | None:
 
 def p2(ratios: Mapping[tuple[str, int], float], modes=P2_MODES,
        batches=P2_BATCHES) -> dict:
-    """``ratios[(mode, batch)]``: median decode step on / off, tiny model."""
+    """``ratios[(mode, batch)]``: decode step on / off, tiny model, by the
+    cell's statistic (bench-tax: the fastest sample where step-clocked)."""
     measured, checks, missing = {}, [], []
     for mode in modes:
         for b in batches:
@@ -86,7 +87,8 @@ def p2_split(fits: Mapping[tuple[str, int], Mapping[str, float]]) -> dict:
 
 
 def p6(ratios: Mapping[str, float]) -> dict:
-    """``ratios[mode]``: median decode step at batch 16, eager / lazy mirror."""
+    """``ratios[mode]``: decode step at batch 16, eager / lazy mirror, by the
+    cell's statistic."""
     measured = {m: {"ratio": round(r, 4), "pass": r <= P6_RATIO} for m, r in ratios.items()}
     if not measured:
         return verdict("P6", None, measured, f"needs arms on and on_lazy at batch {P6_BATCH}")

@@ -356,7 +356,7 @@ def statistic_of(estimator: str) -> str:
     the step clock, else "median". Session 13 (results/tax/README.md run
     6) found this VM's samples in two speed modes ~1.5x apart (off at
     batch 1: 1.65-1.9 or 2.4-2.8 ms), in proportions that differ from arm
-    to arm: medians of identical engines read 0.86-1.33, the fastest
+    to arm: medians of identical engines read 0.84-1.33, the fastest
     samples 0.98-1.05 in all eight A/A cells. Interference only adds
     time, so the fastest sample of each arm is its fast-mode step; the
     A/A control (off_b/off, same statistic) keeps guarding the method."""
@@ -847,7 +847,9 @@ def build_report(*, cfg: TaxConfig | None, command: str | None, samples: list,
         "modes": MODE_DOC,
         "method": "decode ms per step = (time of N+M new tokens - time of M) / N, "
                   "prompts prefix-cached, greedy, ignore_eos; arms alternate within each "
-                  "repetition (rotated order); medians and spreads over repetitions",
+                  "repetition (rotated order); per sample also the median step-to-step "
+                  "interval (step_ms); cells compare arms by their fastest sample where "
+                  "every sample has step_ms, else by medians (summary...statistic)",
         "runs": runs,
         "versions": versions_of(engines_info),
         "engines": engines_info,

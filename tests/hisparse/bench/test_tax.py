@@ -687,6 +687,10 @@ def test_steady_intervals_skip_admission_and_see_bursts():
     assert st["mean_ms"] == pytest.approx(2.0, rel=1e-6)
     assert st["median_ms"] == pytest.approx(3.0, rel=1e-6)
     assert st["short_share"] == pytest.approx(20 / 41)
+    assert st["p10_ms"] == pytest.approx(1.0, rel=1e-6)
+    assert st["p90_ms"] == pytest.approx(3.0, rel=1e-6)
+    few = engine_worker.steady_intervals([0.0, 0.001, 0.003, 0.006], skip=0)
+    assert (few["p10_ms"], few["p90_ms"]) == pytest.approx((1.0, 3.0))
     assert engine_worker.steady_intervals(stamps[:5], skip=2) is None
     rec = _clocked("on", 0, 3.0, steady=st)
     assert rec["steady_ms"] == pytest.approx(2.0, rel=1e-6) and rec["steady"]["stalls"] == 1

@@ -21,29 +21,73 @@ from tests.hisparse.scheduler.invariants import check_drained, check_invariants
 
 def test_s1_only_sealed_pages_are_planned_within_budget(build):
     """S-1, INV-16: transfers are planned for sealed pages only, once per
-    page, and at most max_model_len // B per step."""
+    page, and at most max(max_model_len, in-flight tokens) // B per step
+    (R32): 20 decoding requests seal their first page in the same step,
+    more than the budget of 16; the rest wait a step."""
+    s, w = build(num_gpu_blocks=600, max_num_batched_tokens=1024, max_model_len=512,
+                 max_num_seqs=20)
+    budget = 1024 // B
+    reqs = [make_request(f"r{i}", prompt(50, i), 30) for i in range(20)]
+    for r in reqs:
+        s.add_request(r)
+    w.hold = set(range(1, 1000))  # keep everything in flight
+    sealing = None
+    for _ in range(20):
+        so = step(s, w)
+        if so.kv_connector_metadata.num_transfers:
+            sealing = so.kv_connector_metadata
+            break
+        assert all(r.num_computed_tokens < B for r in reqs)  # nothing sealed yet
+    assert sealing is not None and sealing.num_transfers == budget  # 20 sealed
+    assert not sealing.transfer_restore.any()  # spills, after the forward
+    second = step(s, w).kv_connector_metadata
+    assert second.num_transfers == 20 - budget
+    pages = {*sealing.transfer_host_blocks.tolist(), *second.transfer_host_blocks.tolist()}
+    assert len(pages) == 20  # no page planned twice (INV-16)
+    # Held transfers are never re-sent while in flight (decode seals nothing).
+    for _ in range(2):
+        assert step(s, w).kv_connector_metadata.num_transfers == 0
+    assert len(hs(s).pending_spills) == 20
+
+
+def test_r32_a_prefill_step_never_outruns_the_budget(build):
+    """R32: with the batched tokens above max_model_len (1024 > 512), one
+    prefill step seals 12 pages; the budget (1024 // B = 16, not 512 // B
+    = 8) plans them all at once, so no backlog forms."""
     s, w = build(num_gpu_blocks=400, max_num_batched_tokens=1024,
                  max_model_len=512, max_num_seqs=4)
     reqs = [make_request(f"r{i}", prompt(256 + 40 * (i == 2), i), 4) for i in range(3)]
     for r in reqs:
         s.add_request(r)
-    w.hold = set(range(1, 1000))  # keep everything in flight
-    so = step(s, w)
-    planned = so.kv_connector_metadata
-    budget = 512 // B
-    assert planned.num_transfers == budget  # 12 sealed pages, the budget is 8
-    assert not planned.transfer_restore.any()  # spills, after the forward
-    so = step(s, w)
-    second = so.kv_connector_metadata
-    assert second.num_transfers == 12 - budget
-    pages = {*planned.transfer_host_blocks.tolist(), *second.transfer_host_blocks.tolist()}
-    assert len(pages) == 12  # no page planned twice (INV-16)
+    w.hold = set(range(1, 1000))
+    planned = step(s, w).kv_connector_metadata
+    assert planned.num_transfers == 12
     # The request with 296 prompt tokens sealed 4 pages, not 5.
     assert sorted(hs(s).states["r2"].pending) == [0, 1, 2, 3]
-    # Held transfers are never re-sent while in flight (decode seals nothing).
-    for _ in range(2):
-        assert step(s, w).kv_connector_metadata.num_transfers == 0
-    assert len(hs(s).pending_spills) == 12
+    assert step(s, w).kv_connector_metadata.num_transfers == 0
+
+
+def test_r32_short_requests_keep_their_prefix_published(build):
+    """R32: 16 prompts of 16 pages prefilled in one step, each request done
+    four tokens later. Under a cap of max_model_len // B = 32 pages per
+    step, half of them finished before any of their pages was planned and
+    never published: their next turn found no host prefix and recomputed
+    (found by bench-scheduler --admit, session 13). Every prefix is
+    published now, and a second turn hits it whole."""
+    s, w = build(num_gpu_blocks=2400, num_host_blocks=1200, max_num_batched_tokens=16384,
+                 max_model_len=2048, max_num_seqs=16)
+    first = [make_request(f"a{i}", prompt(1024, i), 4) for i in range(16)]
+    for r in first:
+        s.add_request(r)
+    drain(s, w)
+    assert [published_pages(s, r) for r in first] == [16] * 16
+    again = [make_request(f"b{i}", prompt(1024, i), 2) for i in range(16)]
+    for r in again:
+        s.add_request(r)
+    so = step(s, w)
+    assert sorted(r.num_computed_tokens for r in so.scheduled_new_reqs) == [1024 - B] * 16
+    drain(s, w)
+    check_drained(s)
 
 
 def test_s2_two_phase_ack_waits_for_every_enqueuing_rank(build):

@@ -223,6 +223,7 @@ class HiSparseCoordinator:
         cap_res_pages: int,
         hot_blocks_per_request: int,
         host_writer_rank: int | None = None,
+        max_in_flight_tokens: int = 0,
     ) -> None:
         self.gpu_pool = gpu_pool
         # Shared host pool (4.12): only this rank's spill reports count
@@ -240,7 +241,11 @@ class HiSparseCoordinator:
         self.transition_watermark = max(
             hot_blocks_per_request, self.num_gpu_blocks // 10
         )
-        self.spill_budget = max_model_len // block_size  # INV-16 per step
+        # INV-16's per-step cap, at least what the steps in flight can seal
+        # (R32): below it a backlog forms whenever the batched tokens exceed
+        # max_model_len, and a request that finishes before its pages are
+        # planned never publishes them (its next turn recomputes).
+        self.spill_budget = max(max_model_len, max_in_flight_tokens) // block_size
 
         self.source: HiSparseSourceManager
         self.residents: tuple[HiSparseResidentManager, ...] = ()

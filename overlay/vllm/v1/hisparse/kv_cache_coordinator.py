@@ -182,6 +182,7 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             host_writer_rank=HOST_WRITER_RANK
             if kv_cache_config.host_pool.shared
             else None,
+            max_in_flight_tokens=max_in_flight_tokens,
         )
         gpu_pool.host_pool = self.host_pool
         gpu_pool.hisparse = self.hisparse

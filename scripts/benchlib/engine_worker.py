@@ -17,7 +17,8 @@ Commands ({"op": ...}):
   pin      {cpus}  move every thread of the engine's processes onto these
            cores (bench-tax rotates the arms' core sets per repetition)
   profile  {batch, n, m}  torch.profiler over the same two generations:
-           aggregated events of each
+           aggregated events of each, then cProfile over them, then the
+           stage clock (STAGE_TARGETS timed without a profiler) over them
   counters               HiSparse's counters (ours; {} upstream)
   shutdown
 
@@ -259,7 +260,22 @@ class Engine:
 
         return {"short": run(m), "long": run(n + m),
                 "python": {"short": self.python_profile(batch, m),
-                           "long": self.python_profile(batch, n + m)}}
+                           "long": self.python_profile(batch, n + m)},
+                "stages": self.stage_profile(batch, n, m)}
+
+    def stage_profile(self, batch: int, n: int, m: int) -> dict:
+        """The stage clock over M and N + M new tokens (no profiler running)."""
+        clock = StageClock()
+        try:
+            out = {}
+            for label, k in (("short", m), ("long", n + m)):
+                clock.reset()
+                self.timed(batch, k)
+                out[label] = clock.snapshot()
+            out["absent"] = clock.absent
+            return out
+        finally:
+            clock.remove()
 
     def python_profile(self, batch: int, k: int) -> list[dict]:
         """cProfile over one generation: every function's calls, self and
@@ -497,6 +513,115 @@ class GcClock:
         import gc
 
         gc.callbacks.remove(self._callback)
+
+
+# The functions the stage clock times, inclusive wall time per call: the
+# engine loop's stages and HiSparse's step hooks ("module:Class.method" or
+# "module:function"). cProfile (python_profile) inflates small Python calls
+# ~2x and cannot say which part of a CUDA-bound method costs; these wrappers
+# add ~0.3 us per call. A target a build lacks (the off arm has no HiSparse
+# call sites, upstream another layout) is skipped and reported as absent.
+STAGE_TARGETS = (
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector:"
+    "HiSparseConnector.build_connector_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector:"
+    "HiSparseConnector.update_connector_output",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector:"
+    "HiSparseConnector.start_load_kv",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector:"
+    "HiSparseConnector.wait_for_save",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector:"
+    "HiSparseConnector.get_kv_connector_stats",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector:"
+    "HiSparseConnector.build_connector_worker_meta",
+    "vllm.v1.hisparse.coordinator:HiSparseCoordinator.build_step_metadata",
+    "vllm.v1.hisparse.binding:apply_residency_updates",
+    "vllm.v1.hisparse.binding:retarget_slot_mappings",
+    "vllm.v1.hisparse.worker:HiSparseWorker.start_step",
+    "vllm.v1.hisparse.worker:HiSparseWorker.finish_forward",
+    "vllm.v1.hisparse.worker:HiSparseWorker._submit_mirror_ranges",
+    "vllm.v1.hisparse.worker:HiSparseWorker.take_acks",
+    "vllm.v1.hisparse.worker:MirrorPlan.build",
+    "vllm.v1.hisparse.worker:HostWriteEvents.rotate",
+    "vllm.v1.hisparse.worker:HostWriteEvents.record",
+    "vllm.v1.hisparse.runtime:HiSparseRuntime.apply_hot_regions",
+    "vllm.v1.hisparse.runtime:HiSparseRuntime.prepare_forward",
+    "vllm.v1.hisparse.runtime:HiSparseRuntime.invalidate_written",
+    "vllm.v1.hisparse.runtime:HiSparseRuntime.end_forward",
+    "vllm.v1.hisparse.runtime:StepInputs.host_views",
+    "vllm.v1.hisparse.runtime:StepInputs.send",
+    "vllm.v1.hisparse.metrics:DeviceCounterSampler.sample",
+    "vllm.v1.hisparse.metrics:SchedulerMetrics.collect",
+)
+
+
+class StageClock:
+    """Inclusive wall time and calls of ``targets`` while installed: each is
+    replaced on its class (or module) by a wrapper that adds to its total,
+    and restored on ``remove``. Recursion counts the outer call only."""
+
+    def __init__(self, targets=STAGE_TARGETS) -> None:
+        import importlib
+
+        self.ns: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.absent: list[str] = []
+        self._saved: list[tuple[object, str, object]] = []
+        for target in targets:
+            module_name, _, path = target.partition(":")
+            try:
+                owner = importlib.import_module(module_name)
+                *outer, name = path.split(".")
+                for part in outer:
+                    owner = getattr(owner, part)
+                original = owner.__dict__[name]
+            except (ImportError, AttributeError, KeyError):
+                self.absent.append(target)
+                continue
+            self._saved.append((owner, name, original))
+            setattr(owner, name, self._wrap(path, original))
+
+    def _wrap(self, key: str, fn):
+        import functools
+
+        ns, calls, active = self.ns, self.calls, set()
+        ns[key], calls[key] = 0, 0
+        clock = time.perf_counter_ns
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if key in active:
+                return fn(*args, **kwargs)
+            active.add(key)
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns[key] += clock() - t0
+                calls[key] += 1
+                active.discard(key)
+
+        return timed
+
+    def reset(self) -> None:
+        for key in self.ns:
+            self.ns[key], self.calls[key] = 0, 0
+
+    def snapshot(self) -> dict:
+        return {k: {"us": self.ns[k] / 1e3, "calls": self.calls[k]} for k in self.ns}
+
+    def remove(self) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
 
 
 def python_key(path: str, line: int, fn: str) -> str:

@@ -688,10 +688,29 @@ def python_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: in
     }
 
 
+def stages_per_step(stages: Mapping, steps: int) -> dict:
+    """The stage clock ({short, long}: {target: {us, calls}}, engine_worker.
+    StageClock) -> per decode step {target: {us, calls}} (long - short) / N,
+    the short generation's own totals in ms, and the targets absent here."""
+    if steps <= 0:
+        raise ValueError("steps must be > 0")
+    a, b = stages.get("short", {}), stages.get("long", {})
+    zero = {"us": 0.0, "calls": 0}
+    per_step = {k: {"us": round((b[k]["us"] - a.get(k, zero)["us"]) / steps, 2),
+                    "calls": round((b[k]["calls"] - a.get(k, zero)["calls"]) / steps, 3)}
+                for k in b}
+    return {"note": "inclusive wall time per call site, no profiler running",
+            "per_step": per_step,
+            "short_generation_ms": {k: round(v["us"] / 1e3, 3) for k, v in a.items()},
+            "absent": list(stages.get("absent", []))}
+
+
 def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: int,
-                     top: int = 15, python: Mapping | None = None) -> dict:
+                     top: int = 15, python: Mapping | None = None,
+                     stages: Mapping | None = None) -> dict:
     """Per decode step: (profile of N + M new tokens - profile of M) / N;
-    ``python`` ({short, long} cProfile entries) adds the host breakdown."""
+    ``python`` ({short, long} cProfile entries) adds the host breakdown,
+    ``stages`` (the stage clock's {short, long}) the unprofiled one."""
     if steps <= 0:
         raise ValueError("steps must be > 0")
     a, b = profile_counts(short), profile_counts(long)
@@ -731,6 +750,7 @@ def profile_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: i
         "op_counts": _per_step_counts(ops),
         **({"python": python_per_step(python["short"], python["long"], steps)}
            if python else {}),
+        **({"stages": stages_per_step(stages, steps)} if stages else {}),
         "short_generation": short_generation(short, python["short"] if python else None),
     }
 
@@ -789,8 +809,20 @@ def profile_diff(profiles: Mapping[str, Mapping], floor: float = 0.5) -> dict:
             row[field] = {k: v for k, v in sorted(delta.items(), key=lambda kv: (-abs(kv[1]),
                                                                                 kv[0]))
                           if abs(v) >= floor}
+        if "stages" in prof and "stages" in base:
+            row["stage_us"] = _stage_diff(prof["stages"], base["stages"], floor)
         out[key] = row
     return out
+
+
+def _stage_diff(mine: Mapping, theirs: Mapping, floor: float) -> dict:
+    """Per stage-clock target: us per step of this arm minus off's (a target
+    off lacks counts whole), the largest first, at least ``floor`` us."""
+    a, b = mine.get("per_step", {}), theirs.get("per_step", {})
+    delta = {k: round(a.get(k, {}).get("us", 0.0) - b.get(k, {}).get("us", 0.0), 2)
+             for k in set(a) | set(b)}
+    return {k: v for k, v in sorted(delta.items(), key=lambda kv: (-abs(kv[1]), kv[0]))
+            if abs(v) >= floor}
 
 
 def device_fits(profiles: Mapping[str, Mapping], num: str = "on", den: str = "off") -> dict:

@@ -95,7 +95,15 @@ def main() -> int:
                         {"name": "cudaMemcpyAsync", "device": "cpu", "count": 3 * k},
                         {"name": "attn_kernel", "device": "cuda", "count": 4 * k,
                          "self_device_us": k * ms * 1000 * 0.8}]
-            reply = {"short": events(cmd["m"]), "long": events(cmd["m"] + cmd["n"])}
+            def stages(k):  # the stage clock: HiSparse's start_step 40 us a step
+                out = {"Scheduler.schedule": {"us": 100.0 * k, "calls": k}}
+                if hisparse:
+                    out["HiSparseWorker.start_step"] = {"us": 40.0 * k, "calls": k}
+                return out
+
+            reply = {"short": events(cmd["m"]), "long": events(cmd["m"] + cmd["n"]),
+                     "stages": {"short": stages(cmd["m"]),
+                                "long": stages(cmd["m"] + cmd["n"]), "absent": []}}
         elif op == "counters":
             reply = {"misses": misses, "lost_pages": 0, "hot_regions_assigned": 0} \
                 if hisparse and spec["vllm"] == "ours" else {}

@@ -109,3 +109,22 @@ def test_engine_process_that_hangs_times_out(tmp_path):
         proc.wait_ready(1.0)
     proc.proc.kill()
     proc.close(timeout=5)
+
+
+def test_every_stage_clock_target_exists_in_the_patched_vllm():
+    """P2: the stage clock's targets name real call sites of the patched
+    vLLM (a renamed hook would silently leave the breakdown without it):
+    installed over the CPU build, none is absent, and removing the clock
+    restores each original."""
+    pytest.importorskip("vllm.v1.hisparse.worker")
+    from benchlib import engine_worker
+
+    clock = engine_worker.StageClock()
+    try:
+        assert clock.absent == []
+        assert set(clock.snapshot()) == {t.partition(":")[2]
+                                         for t in engine_worker.STAGE_TARGETS}
+    finally:
+        saved = list(clock._saved)
+        clock.remove()
+    assert all(owner.__dict__[name] is original for owner, name, original in saved)

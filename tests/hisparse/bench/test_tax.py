@@ -6,6 +6,8 @@ device budget, summaries, ratios, the fixed + per-layer fit, the profile
 breakdown, merging and the verdicts."""
 
 import json
+import sys
+import time
 
 import pytest
 from benchlib import tax, targets
@@ -426,6 +428,79 @@ def test_profile_diff_names_what_an_arm_adds_per_step():
     assert d["copy_kinds"] == {}
     merged = tax.profile_diff({f"run1:{k}": v for k, v in profiles.items()})
     assert set(merged) == {"run1:fdo/L4/on/batch16"}
+
+
+def test_the_stage_clock_times_each_target_inclusively_and_restores_it(monkeypatch):
+    """P2's unprofiled breakdown (session 14): each target is wrapped on its
+    class or module, its inclusive wall time and calls added up (a recursive
+    call counts once), targets a build lacks reported absent, and removing
+    the clock restores the originals."""
+    import types
+
+    from benchlib import engine_worker
+
+    mod = types.ModuleType("stage_clock_probe")
+
+    class Step:
+        def start(self, n):
+            time.sleep(0.002)
+            return self.start(n - 1) if n > 0 else "done"
+
+    def hook(x):
+        time.sleep(0.001)
+        return x + 1
+
+    mod.Step, mod.hook = Step, hook
+    monkeypatch.setitem(sys.modules, "stage_clock_probe", mod)
+    original = Step.__dict__["start"]
+    clock = engine_worker.StageClock((
+        "stage_clock_probe:Step.start", "stage_clock_probe:hook",
+        "stage_clock_probe:Step.missing", "no_such_module_here:f"))
+    assert clock.absent == ["stage_clock_probe:Step.missing", "no_such_module_here:f"]
+    assert Step().start(2) == "done" and mod.hook(1) == 2 and mod.hook(2) == 3
+    snap = clock.snapshot()
+    assert snap["Step.start"]["calls"] == 1  # the outer call of the recursion
+    assert snap["Step.start"]["us"] >= 6000  # three sleeps of 2 ms inside it
+    assert snap["hook"]["calls"] == 2 and snap["hook"]["us"] >= 2000
+    clock.reset()
+    assert clock.snapshot()["hook"] == {"us": 0.0, "calls": 0}
+    clock.remove()
+    assert Step.__dict__["start"] is original and mod.hook is hook
+
+
+def test_stages_per_step_and_their_difference_from_off():
+    """P2 (issue 16 item 1): the stage clock's M and N + M generations ->
+    per decode step, and profile_diff's stage_us names what the on arm's
+    step spends beyond off's by call site (a site off lacks counts whole)."""
+    def stages(k, start_us):
+        long = {"Scheduler.schedule": {"us": 100.0 * k + 900, "calls": k + 3},
+                "HiSparseWorker.start_step": {"us": start_us * k + 50, "calls": k}}
+        return {"short": {n: {"us": 900.0 if n == "Scheduler.schedule" else 50.0,
+                              "calls": 3 if n == "Scheduler.schedule" else 0}
+                          for n in long},
+                "long": long, "absent": []}
+
+    on = tax.stages_per_step(stages(128, 250.0), 128)
+    assert on["per_step"]["HiSparseWorker.start_step"] == {"us": 250.0, "calls": 1.0}
+    assert on["per_step"]["Scheduler.schedule"] == {"us": 100.0, "calls": 1.0}
+    assert on["short_generation_ms"]["Scheduler.schedule"] == pytest.approx(0.9)
+    off_stages = {"short": {"Scheduler.schedule": {"us": 800.0, "calls": 3}},
+                  "long": {"Scheduler.schedule": {"us": 800.0 + 90.0 * 128, "calls": 131}},
+                  "absent": ["HiSparseWorker.start_step"]}
+
+    def ev(k):
+        return [{"name": "cudaGraphLaunch", "device": "cpu", "count": k}]
+
+    profiles = {
+        "fdo/L4/off/batch1": tax.profile_per_step(ev(16), ev(144), 128, stages=off_stages),
+        "fdo/L4/on/batch1": tax.profile_per_step(ev(16), ev(144), 128,
+                                                 stages=stages(128, 250.0)),
+    }
+    d = tax.profile_diff(profiles)["fdo/L4/on/batch1"]["stage_us"]
+    assert d == {"HiSparseWorker.start_step": 250.0, "Scheduler.schedule": 10.0}
+    assert "stages" not in tax.profile_per_step(ev(16), ev(144), 128)
+    with pytest.raises(ValueError):
+        tax.stages_per_step(off_stages, 0)
 
 
 def test_python_per_step_attributes_host_time_to_stages_and_hisparse():

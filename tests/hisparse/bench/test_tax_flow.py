@@ -67,6 +67,11 @@ def test_full_run(tax_cmd, tmp_path):
     prof = rep["profile"]["default/L4/on/batch16"]["per_step"]
     assert prof["kernel_launches"] == pytest.approx(12) and prof["graph_launches"] == 1
     assert rep["profile"]["default/L4/off/batch16"]["per_step"]["kernel_launches"] == 2
+    # the stage clock per step, and what the on arm's sites add beyond off's
+    assert rep["profile"]["default/L4/on/batch16"]["stages"]["per_step"][
+        "HiSparseWorker.start_step"] == {"us": 40.0, "calls": 1.0}
+    assert rep["profile_diff"]["default/L4/on/batch16"]["stage_us"] == {
+        "HiSparseWorker.start_step": 40.0}
     eng = rep["engines"]["default/L4/on"]
     assert eng["no_pressure"] == {"no_misses": True, "no_lost_pages": True,
                                   "no_pages_given_up": True, "counters_read": True}

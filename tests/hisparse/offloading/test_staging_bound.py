@@ -24,6 +24,7 @@ import pytest
 
 from tests.hisparse.offloading.test_offloading import (
     gpu_indexer_cached,
+    host_blocks,
     prompt,
 )
 from tests.hisparse.scheduler.harness import B, make_request
@@ -134,3 +135,87 @@ def test_running_requests_short_of_staging_wait_instead_of_preempting(rig):
         [70, 70], suffix=1000)
     assert r.hisparse.stats.staging_deferrals > 0
     assert r.worker.max_staged_pages == 70
+
+
+# ------------------------------------------------------------- R33
+
+
+def returning_with_copies(r, pages_each, suffix=SUFFIX):
+    """Conversations served and finished (their pages published on host,
+    their GPU copies surviving: nothing else ran), then their next turns."""
+    first = [make_request(f"c{i}", prompt(pages * B, 10 + i), 1)
+             for i, pages in enumerate(pages_each)]
+    for c in first:
+        r.scheduler.add_request(c)
+        r.drain()
+    follow = [make_request(f"t{i}", list(c.prompt_token_ids) + prompt(suffix, 500 + i), 4)
+              for i, c in enumerate(first)]
+    return first, follow
+
+
+def test_prefix_hits_that_adopt_every_page_are_admitted_together(rig):
+    """R33 (issue 16, bench-tax run 7: 69 staging deferrals with nothing
+    under pressure): three conversations of 60 pages (180 > C_stage 136)
+    return with the same 100-token turn while every GPU copy survives.
+    Each adopts its pages, so none of those is staged: all three run in the
+    first step (before R33 each claimed its whole prefix and two waited),
+    only the pages without a copy are staged and nothing is preempted."""
+    assert staging_block_count(8192, B, 512) == 136
+    r = rig(num_gpu_blocks=4000, num_host_blocks=20_000, num_cpu_blocks=4000,
+            max_num_seqs=8, max_model_len=8192, max_num_batched_tokens=512)
+    _, follow = returning_with_copies(r, [60, 60, 60])
+    adopted = r.hisparse.stats.pages_adopted
+    for t in follow:
+        r.scheduler.add_request(t)
+    so = r.step()
+    assert {n.req_id for n in so.scheduled_new_reqs} == {t.request_id for t in follow}
+    assert r.hisparse.stats.staging_deferrals == 0
+    assert all(t.num_computed_tokens == 60 * B + SUFFIX for t in follow)
+    adopted = r.hisparse.stats.pages_adopted - adopted
+    assert adopted >= 150  # the pages without a recorded copy are staged
+    preempted = len(so.preempted_req_ids)
+    while r.scheduler.has_unfinished_requests():
+        preempted += len(r.step().preempted_req_ids)
+    assert all(t.is_finished() for t in follow) and preempted == 0
+    assert r.worker.max_staged_pages == 180 - adopted
+    r.finish()
+
+
+def test_the_bound_counts_a_copy_the_admitting_allocation_may_evict(rig):
+    """R33's safety: a copy counts as adopted only if none of its blocks is
+    among the free blocks the admitting allocation takes (it evicts them
+    before adoption). Against the real pool: with nothing taken every page
+    of the hit is adopted (bound 0); taking the whole free queue risks
+    every copy (bound = the prefix); taking the blocks up to one page's
+    copy risks exactly the pages whose copies lie there."""
+    r = rig(num_gpu_blocks=4000, num_host_blocks=20_000, num_cpu_blocks=4000,
+            max_num_seqs=8, max_model_len=8192, max_num_batched_tokens=512)
+    (first,), _ = returning_with_copies(r, [20])
+    hs, pool = r.hisparse, r.coord.block_pool
+    hit = host_blocks(r, first, 20)
+    copied = [h for h in hit if h.block_hash in hs.copies]
+    uncopied = 20 - len(copied)  # pages published after their blocks left (no copy)
+    assert len(copied) >= 12
+    tokens = 20 * B
+
+    def bound(popped):
+        return hs.staged_pages_bound("new", tokens, tokens + SUFFIX, hit, popped)
+
+    assert bound(0) == uncopied
+    free = pool.get_num_free_blocks()
+    assert bound(free) == 20
+    # the position in the free queue of each copied page's blocks
+    order = {}
+    block = pool.free_block_queue.fake_free_list_head.next_free_block
+    for i in range(free):
+        order[block.block_id] = i
+        block = block.next_free_block
+    first_risk = sorted(min(order[b.block_id] for b in hs.copies[h.block_hash])
+                        for h in copied)
+    k = first_risk[5] + 1  # 6 copied pages have a block among the first k
+    risked = sum(any(order[b.block_id] < k for b in hs.copies[h.block_hash])
+                 for h in copied)
+    assert 6 <= risked < len(copied)
+    assert bound(k) == uncopied + risked
+    assert pool.next_free_block_ids(k) == {i for i, pos in order.items() if pos < k}
+    r.finish()

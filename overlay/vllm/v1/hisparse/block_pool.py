@@ -137,6 +137,18 @@ class UnpinBlockPool(BlockPool):
         """Blocks unpinned and not yet reallocated (free or adopted)."""
         return len(self._reuse_watchers)
 
+    def next_free_block_ids(self, n: int) -> set[int]:
+        """Ids of the first ``n`` blocks of the free queue: those the next
+        ``get_new_blocks`` calls of ``n`` blocks in all hand out (and evict
+        from the prefix cache), in order. O(n)."""
+        queue = self.free_block_queue
+        ids: set[int] = set()
+        block = queue.fake_free_list_head.next_free_block
+        while len(ids) < n and block is not None and block is not queue.fake_free_list_tail:
+            ids.add(block.block_id)
+            block = block.next_free_block
+        return ids
+
     # ------------------------------------------------------- BlockPool hooks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

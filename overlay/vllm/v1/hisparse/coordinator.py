@@ -618,21 +618,39 @@ class HiSparseCoordinator:
         self.stats.pages_unpinned_to_allocate += len(pages)
 
     def staged_pages_bound(
-        self, request_id: str, computed_tokens: int, end_tokens: int
+        self, request_id: str, computed_tokens: int, end_tokens: int,
+        host_hit: Sequence[KVCacheBlock] = (), popped: int = 0,
     ) -> int:
         """Context pages the worker may stage from host for a chunk ending
         at ``end_tokens`` (R28): null and unpinned entries of the table (an
         allocation later in this pass may reuse an unpinned block), or, for
-        a request that holds no table yet, its whole computed prefix (a host
-        or offloaded hit starts with null resident entries). O(pages), for
-        short prefill chunks only."""
+        a request that holds no table yet, its computed prefix (a host or
+        offloaded hit starts with null resident entries) less the pages of
+        ``host_hit`` it adopts (R33). O(pages), for short prefill chunks
+        only."""
         table = self.residents[0].req_to_blocks.get(request_id) if self.residents else None
         if not table:
-            return computed_tokens // self.block_size
+            pages = computed_tokens // self.block_size
+            return pages - self._surely_adopted(host_hit[:pages], popped)
         n = min(len(table), cdiv(end_tokens, self.block_size))
         st = self.states.get(request_id)
         unpinned = sum(p < n for p in st.unpinned) if st is not None else 0
         return sum(b.is_null for b in table[:n]) + unpinned
+
+    def _surely_adopted(self, host_blocks: Sequence[KVCacheBlock], popped: int) -> int:
+        """Pages of an admission's host prefix that its adoption (4.7 step 3,
+        right after the admitting allocation) will find a GPU copy for: a
+        copy survives unless one of its blocks is among the ``popped`` free
+        blocks the allocation itself takes (R33). O(pages + popped)."""
+        if not host_blocks or not self.copies:
+            return 0
+        at_risk = self.gpu_pool.next_free_block_ids(popped)
+        adopted = 0
+        for host in host_blocks:
+            blocks = self.copies.get(host.block_hash)
+            if blocks is not None and all(b.block_id not in at_risk for b in blocks):
+                adopted += 1
+        return adopted
 
     def blocks_released_by_in_flight(self, request_id: str, num_tokens: int) -> int:
         """GPU blocks that become free, or reclaimable by ``request_id``'s

@@ -368,12 +368,28 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
     ) -> int:
-        if not apply_admission_cap and not self._claim_staging(
-            request_id, total_computed_tokens, num_tokens_main_model
-        ):
+        if apply_admission_cap:
+            return self._blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                num_local_computed_tokens, num_tokens_main_model, True)
+        total = 0 if self._fits(request_id, num_tokens) else self._blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, False)
+        if not self._claim_staging(request_id, total_computed_tokens,
+                                   num_tokens_main_model, new_computed_blocks, total):
             return self.block_pool.num_gpu_blocks + 1  # not this step (R28)
-        if not apply_admission_cap and self._fits(request_id, num_tokens):
-            return 0
+        return total
+
+    def _blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+    ) -> int:
         managers = self.single_type_managers
         total = 0
         for gid, multiplicity in self._lead_groups:
@@ -412,16 +428,33 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             self._shortfall = (request_id, num_tokens, total - free)
         return total
 
-    def _claim_staging(self, request_id: str, computed: int, end: int) -> bool:
+    def _claim_staging(
+        self, request_id: str, computed: int, end: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...] = (),
+        num_new_blocks: int = 0,
+    ) -> bool:
         """R28: may this chunk run now? A chunk FlashMLA sparse runs on its
         decode kernel has its host-only context pages staged in the slab;
         together with this step's earlier such chunks they must fit the
         staging blocks. The first chunk of a step always runs: one
-        request's context always fits (C_stage >= cdiv(max_model_len, B))."""
+        request's context always fits (C_stage >= cdiv(max_model_len, B)).
+        An admission's prefix hits (``new_computed_blocks``) and the
+        ``num_new_blocks`` it allocates let a host prefix hit not count the
+        pages it adopts (R33)."""
         self._staging_claim = None
         if end - computed not in self._extend_tokens:
             return True
-        pages = self.hisparse.staged_pages_bound(request_id, computed, end)
+        host_hit: Sequence[KVCacheBlock] = ()
+        popped = num_new_blocks
+        if new_computed_blocks:
+            host_hit = new_computed_blocks[self.source_group_id]
+            # The free blocks the allocation may pop: its own, plus the GPU
+            # prefix hits its touches take out of the queue (the source
+            # group's hits are host blocks).
+            popped += sum(len(b) for gid, b in enumerate(new_computed_blocks)
+                          if gid != self.source_group_id)
+        pages = self.hisparse.staged_pages_bound(
+            request_id, computed, end, host_hit, popped)
         if pages and self._staged_this_step + pages > self._staging_blocks \
                 and self._staged_this_step:
             self._staging_full = request_id

@@ -519,8 +519,9 @@ class GcClock:
 # engine loop's stages and HiSparse's step hooks ("module:Class.method" or
 # "module:function"). cProfile (python_profile) inflates small Python calls
 # ~2x and cannot say which part of a CUDA-bound method costs; these wrappers
-# add ~0.3 us per call. A target a build lacks (the off arm has no HiSparse
-# call sites, upstream another layout) is skipped and reported as absent.
+# add ~0.3 us per call. A target a build lacks (upstream 0.30.0's tree) is
+# skipped and reported as absent; one a run never calls (HiSparse's hooks in
+# the off arm) reads 0.
 STAGE_TARGETS = (
     "vllm.v1.core.sched.scheduler:Scheduler.schedule",
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",

@@ -185,9 +185,9 @@ def test_the_bound_counts_a_copy_the_admitting_allocation_may_evict(rig):
     """R33's safety: a copy counts as adopted only if none of its blocks is
     among the free blocks the admitting allocation takes (it evicts them
     before adoption). Against the real pool: with nothing taken every page
-    of the hit is adopted (bound 0); taking the whole free queue risks
-    every copy (bound = the prefix); taking the blocks up to one page's
-    copy risks exactly the pages whose copies lie there."""
+    with a copy is adopted (the bound is the pages without one); taking
+    the whole free queue risks every copy (bound = the prefix); taking the
+    first k free blocks risks exactly the pages with a copy block there."""
     r = rig(num_gpu_blocks=4000, num_host_blocks=20_000, num_cpu_blocks=4000,
             max_num_seqs=8, max_model_len=8192, max_num_batched_tokens=512)
     (first,), _ = returning_with_copies(r, [20])

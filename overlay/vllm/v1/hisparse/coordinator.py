@@ -619,7 +619,7 @@ class HiSparseCoordinator:
 
     def staged_pages_bound(
         self, request_id: str, computed_tokens: int, end_tokens: int,
-        host_hit: Sequence[KVCacheBlock] = (), popped: int = 0,
+        host_hit: Sequence[KVCacheBlock], popped: int,
     ) -> int:
         """Context pages the worker may stage from host for a chunk ending
         at ``end_tokens`` (R28): null and unpinned entries of the table (an

@@ -430,8 +430,7 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
 
     def _claim_staging(
         self, request_id: str, computed: int, end: int,
-        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...] = (),
-        num_new_blocks: int = 0,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...], num_new_blocks: int,
     ) -> bool:
         """R28: may this chunk run now? A chunk FlashMLA sparse runs on its
         decode kernel has its host-only context pages staged in the slab;
@@ -444,17 +443,14 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         self._staging_claim = None
         if end - computed not in self._extend_tokens:
             return True
-        host_hit: Sequence[KVCacheBlock] = ()
-        popped = num_new_blocks
-        if new_computed_blocks:
-            host_hit = new_computed_blocks[self.source_group_id]
-            # The free blocks the allocation may pop: its own, plus the GPU
-            # prefix hits its touches take out of the queue (the source
-            # group's hits are host blocks).
-            popped += sum(len(b) for gid, b in enumerate(new_computed_blocks)
-                          if gid != self.source_group_id)
+        sid = self.source_group_id
+        # The free blocks the allocation may pop: its own, plus the GPU
+        # prefix hits its touches take out of the queue (the source group's
+        # hits are host blocks).
+        popped = num_new_blocks + sum(
+            len(b) for gid, b in enumerate(new_computed_blocks) if gid != sid)
         pages = self.hisparse.staged_pages_bound(
-            request_id, computed, end, host_hit, popped)
+            request_id, computed, end, new_computed_blocks[sid], popped)
         if pages and self._staged_this_step + pages > self._staging_blocks \
                 and self._staged_this_step:
             self._staging_full = request_id

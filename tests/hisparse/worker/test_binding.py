@@ -113,7 +113,9 @@ def test_residency_updates_rewrite_request_state_and_batch_rows():
     The rows are written directly, so the tables are marked for the next
     commit, which copies them although vLLM changed nothing this step."""
     res_ids = [2, 3]
-    runtime = SimpleNamespace(resident_group_ids=res_ids, layers={})
+    noted = []
+    runtime = SimpleNamespace(resident_group_ids=res_ids, layers={},
+                              note_residency_updates=lambda: noted.append(1))
     tables = _block_tables(6, 4, 8)
     for g in res_ids:
         tables[g].add_row([99, 98], 0)
@@ -133,6 +135,7 @@ def test_residency_updates_rewrite_request_state_and_batch_rows():
         update_block_ids=np.array([[0, 0], [31, 41], [0, 0]], dtype=np.int32),
     )
     apply_residency_updates(runner, SimpleNamespace(kv_connector_metadata=meta))
+    assert noted == [1]  # the runtime checks its slots again (P2's cache)
     assert state.block_ids[2] == [12, 0, 31, 0]
     assert state.block_ids[3] == [13, 0, 41, 0]
     for t in tables.values():
@@ -144,7 +147,8 @@ def test_residency_updates_rewrite_request_state_and_batch_rows():
 
 
 def test_a_residency_update_out_of_step_with_the_table_is_an_error():
-    runtime = SimpleNamespace(resident_group_ids=[2], layers={})
+    runtime = SimpleNamespace(resident_group_ids=[2], layers={},
+                              note_residency_updates=lambda: None)
     state = SimpleNamespace(block_ids=[[], [], [1, 2]])
     runner = SimpleNamespace(hisparse_runtime=runtime, requests={"r": state},
                              input_batch=SimpleNamespace(block_table={},
@@ -173,10 +177,11 @@ def test_sparse_layers_write_with_their_resident_slot_mapping():
 def test_the_runner_pads_no_hot_group_slot_mapping():
     """P2 (runner hook in ``GPUModelRunner._get_slot_mappings``, run here on
     the real method): the hot groups, which the resolver reads by block id,
-    get no slot mapping and their layers none; every other group is padded
-    with -1 past the real tokens as in the pin, and each sparse-MLA layer
-    writes through its resident group's. With HiSparse off every group is
-    there."""
+    get no slot mapping and their layers none; the resident groups' are
+    not filled again (the step's slot-mapping kernel padded them); every
+    other group is padded with -1 past the real tokens as in the pin, and
+    each sparse-MLA layer writes through its resident group's. With
+    HiSparse off every group is there."""
     from worker_harness import WorkerRig
 
     from vllm.v1.worker.block_table import MultiGroupBlockTable
@@ -194,7 +199,12 @@ def test_the_runner_pads_no_hot_group_slot_mapping():
     by_gid, by_layer = GPUModelRunner._get_slot_mappings(runner, 16, 4, 10)
     hot = set(layout.hot_group_ids)
     assert hot and set(by_gid) == set(range(n)) - hot
-    assert all((m[10:16] == -1).all() and (m[:10] == 7).all() for m in by_gid.values())
+    resident = set(layout.resident_group_ids)
+    for gid, m in by_gid.items():
+        assert (m[:10] == 7).all()
+        # A resident group's padding is the slot-mapping kernel's (it writes
+        # -1 past the step's tokens: test_fused_slot_mapping): no fill here.
+        assert (m[10:16] == (7 if gid in resident else -1)).all(), gid
     for gid in hot:
         assert not set(groups[gid].layer_names) & set(by_layer)
         assert (tables[gid].slot_mapping.gpu == 7).all()  # not touched

@@ -57,11 +57,12 @@ def test_mirror_copies_exactly_the_rows_written_this_step():
 
 
 def test_a_decode_step_mirrors_every_group_in_one_launch():
-    """4.10 / issue 16 item 1: a decode step (and any FULL-graph step)
-    submits the mirrors of all resident groups at finish_forward behind one
-    ready event and one copy_descriptors launch, not one of each per group;
-    the bytes are those of the per-group submissions. A prefill step still
-    submits per group as each group's last layer is written."""
+    """4.10 / issue 16 item 1 (P2): a pure-decode step (every FULL-graph
+    step) mirrors all resident groups in the forward, after the last target
+    layer's attention: one copy_descriptors launch on the compute stream,
+    no ready event, not one of each per group; the bytes are those of the
+    per-group submissions. A prefill step still submits per group on the
+    DMA stream as each group's last layer is written."""
     rig = WorkerRig()
     calls = []
     copy = rig.rt.ops.copy_descriptors
@@ -79,11 +80,16 @@ def test_a_decode_step_mirrors_every_group_in_one_launch():
     fill_slab(rig)
     log = rig.worker.streams.log
     start = len(log)
+    seen_at_finish = []
+    finish = rig.worker.finish_forward
+    rig.worker.finish_forward = lambda: (seen_at_finish.append(list(calls)), finish())
     rig.run(rig.meta(), num_decodes=2, num_decode_tokens=2)
+    del rig.worker.finish_forward
     layers = len(rig.layout.sparse_layers)
     assert len(rig.res_ids) == 4 and calls == [2 * layers]
-    records = [e for e in log[start:] if e[0] == "record" and e[1] == "forward_ready"]
-    assert len(records) == 1
+    assert seen_at_finish == [[2 * layers]]  # copied in the forward
+    assert not [e for e in log[start:] if e[0] in ("enter", "wait")
+                or (e[0] == "record" and e[1] == "forward_ready")]
     for name, lv in rig.rt.layers.items():
         for row, pos in ((0, 10), (1, 20)):
             (res, g), = written_rows(rig, row, [pos], lv.pair)
@@ -219,17 +225,27 @@ def test_zero_token_step_submits_transfers_and_replays_no_mirror():
 
 def test_host_write_events_alternate_and_compute_waits_on_the_previous():
     """W-5, INV-27: each step start makes compute wait on the previous
-    step's host-write event; the two events alternate."""
+    step's host-write event when that step wrote host memory from the DMA
+    stream (a prefill's mirrors); the two events alternate. A step whose
+    host writes all ran on the compute stream (a pure decode, mirrored in
+    the forward) needs no wait: the next step's compute follows it (P2)."""
     rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     log = rig.worker.streams.log
-    for _ in range(3):
-        rig.batch.schedule(computed=[0], scheduled=[1])
-        rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
-    waits = [e for e in log if e[0] == "wait" and e[1] == "compute"]
+    kinds = []
+    for scheduled, decodes in ((8, 0), (1, 1), (1, 1), (8, 0), (1, 1)):
+        rig.batch.schedule(computed=[0], scheduled=[scheduled])
+        start = len(log)
+        rig.run(rig.meta(), num_decodes=decodes, num_decode_tokens=decodes)
+        kinds.append([e for e in log[start:] if e[0] in ("wait", "record")
+                      and e[-1] != "forward_ready" and e[1] != "forward_ready"])
     records = [e[1] for e in log if e[0] == "record" and e[1].startswith("host")]
-    assert records == ["host_write1", "host_write0", "host_write1"]
-    assert [w[2] for w in waits] == ["host_write1", "host_write0"]
+    assert records == ["host_write1", "host_write0", "host_write1", "host_write0",
+                       "host_write1"]
+    streams = [[e[2] for e in k if e[0] == "record"] for k in kinds]
+    assert streams == [["dma"], ["compute"], ["compute"], ["dma"], ["compute"]]
+    waits = [[e[2] for e in k if e[0] == "wait" and e[1] == "compute"] for k in kinds]
+    assert waits == [[], ["host_write1"], [], [], ["host_write0"]]
 
 
 def test_copy_on_write_synchronizes_then_copies_every_layer():
@@ -288,18 +304,50 @@ def test_partial_group_submission_is_rejected():
         rig.worker.finish_forward()
 
 
-def test_pure_decode_batches_submit_at_finish_only():
+def test_pure_decode_batches_mirror_after_the_last_layer_attention():
+    """P2, INV-32: a pure-decode batch is mirrored from the forward, after
+    the attention of the last target layer the forward runs (every layer
+    has written its KV): a FULL graph captures it there. Per-layer KV-write
+    notices are ignored, earlier layers' attention copies nothing, and
+    finish_forward copies nothing more."""
     rig = WorkerRig(freq=2)
+    layers = rig.layout.sparse_layers
+    assert rig.worker.decode_mirror_layer == layers[-1]
     rig.place(0, resident=[3], host=[5])
     rig.batch.schedule(computed=[5], scheduled=[1])
     fill_slab(rig)
     rig.worker.start_step(rig.meta(), attn_metadata(rig.batch, 1, 1))
-    layer = rig.layout.sparse_layers[0]
-    rig.worker.on_kv_written(layer)  # ignored: not per-layer mode
-    (res, g), = written_rows(rig, 0, [5], 0)
-    assert int(rig.host_row(layer, g).count_nonzero()) == 0
+    rig.worker.on_kv_written(layers[0])  # ignored: not per-layer mode
+    for name in layers[:-1]:
+        rig.worker.on_attention(name, True, 1)
+    for name in layers:
+        pair = rig.rt.layers[name].pair
+        (res, g), = written_rows(rig, 0, [5], pair)
+        assert int(rig.host_row(name, g).count_nonzero()) == 0
+    rig.worker.on_attention(layers[-1], True, 1)
+    for name in layers:
+        (res, g), = written_rows(rig, 0, [5], rig.rt.layers[name].pair)
+        assert torch.equal(rig.host_row(name, g), rig.resident_row(name, res))
+    before = {n: lv.host.clone() for n, lv in rig.rt.layers.items()}
+    fill_slab(rig, seed=3)  # a copy at finish would now change host rows
     rig.worker.finish_forward()
-    assert torch.equal(rig.host_row(layer, g), rig.resident_row(layer, res))
+    assert all(torch.equal(lv.host, before[n]) for n, lv in rig.rt.layers.items())
+
+
+def test_no_in_forward_mirror_without_a_last_layer_or_with_draft_layers():
+    """P2: the forward mirrors only where the worker can name the last
+    target layer the forward runs, and not with draft (MTP) layers, whose
+    descriptors the drafter's submission reads with the step's token count
+    (a FULL graph fixes it at capture); lazy mode mirrors no decode rows."""
+    from vllm.v1.hisparse.layout import last_in_forward
+
+    assert last_in_forward(["model.layers.3.attn", "model.layers.10.attn",
+                            "model.layers.7.attn"]) == "model.layers.10.attn"
+    assert last_in_forward(["model.layers.3.attn", "head.attn"]) is None
+    assert last_in_forward([]) is None
+    assert WorkerRig(eager=False).worker.decode_mirror_layer is None
+    mtp = WorkerRig(config=tiny_config(num_mtp=1))
+    assert mtp.layout.draft_layers and mtp.worker.decode_mirror_layer is None
 
 
 # ----------------------------------------------------- slots and req_state
@@ -652,14 +700,56 @@ def test_no_invalidation_while_no_slot_can_hold_an_entry():
     step(rig.meta(hot_regions_allocated=np.array([20]), hot_region_requests=["r0"]))
     assert rt.slots.num_live == 1 and not rt.slots_with_entries and not calls
     rig.place(0, resident=[0, 4], host=[5, 6], hot=[20, 21])  # page 0 lost
+    rt.note_residency_updates()  # as the binding does for the update
     step(rig.meta())
     slot = rt.slots.of_region(20)
     assert rt.slots_with_entries == {slot} and len(calls) == len(rt.groups)
     rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])  # restored
+    rt.note_residency_updates()
     step(rig.meta())
     assert rt.slots_with_entries == {slot} and len(calls) == 2 * len(rt.groups)
     step(rig.meta(hot_regions_freed=np.array([20])))
     assert not rt.slots_with_entries and len(calls) == 2 * len(rt.groups)
+
+
+def test_a_steady_step_checks_no_slot_for_host_only_pages(monkeypatch):
+    """P2, INV-41: whether a slot's request has a host-only context page is
+    checked when its region is assigned, and again only after residency
+    updates (the one way a live request's row gains a null entry: new pages
+    are resident, new and resumed requests get a new region). A steady
+    decode step checks no row."""
+    from vllm.v1.hisparse import runtime as runtime_module
+
+    checked = []
+    real = runtime_module.host_backed_rows
+
+    def counted(table, rows, *args):
+        checked.append(rows.tolist())
+        return real(table, rows, *args)
+
+    monkeypatch.setattr(runtime_module, "host_backed_rows", counted)
+    rig = WorkerRig()
+    rt = rig.rt
+    rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
+    rig.place(1, resident=[7, 8], host=[9, 10], hot=[30, 31])
+
+    def step(meta, computed):
+        rig.batch.schedule(computed=[computed] * 2, scheduled=[1, 1])
+        rig.run(meta, num_decodes=2, num_decode_tokens=2)
+
+    step(rig.meta(hot_regions_allocated=np.array([20, 30]),
+                  hot_region_requests=["r0", "r1"]), 70)
+    assert checked == [[0, 1]] and not rt.slots_with_entries
+    step(rig.meta(), 71)
+    step(rig.meta(), 72)
+    assert checked == [[0, 1]]
+    rig.place(1, resident=[0, 8], host=[9, 10], hot=[30, 31])  # r1 lost page 0
+    rt.note_residency_updates()
+    step(rig.meta(), 73)
+    assert checked == [[0, 1], [0, 1]]
+    assert rt.slots_with_entries == {rt.slots.of_region(30)}
+    step(rig.meta(), 74)
+    assert len(checked) == 2
 
 
 def test_the_runner_skips_exactly_the_virtual_groups():

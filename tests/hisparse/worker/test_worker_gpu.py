@@ -37,6 +37,7 @@ class CudaRig(WorkerRig):
         self.batch.commit()
         md = attn_metadata(self.batch, num_decodes, num_decode_tokens, device="cuda")
         self.worker.start_step(meta, md)
+        self.attend(md)
         self.worker.finish_forward()
         torch.cuda.synchronize()
 
@@ -60,6 +61,57 @@ def test_mirror_and_lazy_spill_on_cuda(kernels):
                 assert torch.equal(lv.host[6 * B:7 * B], lv.resident[block].cpu())
         assert (eager or 7 in rig.worker.take_acks().completed)
         rig.worker.shutdown()
+
+
+def test_a_captured_decode_mirror_copies_each_replayed_step(kernels):
+    """P2, INV-32 on the H200: the pure-decode mirror the last layer's
+    attention launches (K5b + K5 on the compute stream) is captured by a
+    FULL graph and copies, at each replay, the rows of the step replayed:
+    nothing at capture, the new positions' rows after the slot mappings
+    moved on, and nothing for a padding token (slot -1)."""
+    rig = CudaRig(kernels)
+    rig.place(0, resident=[3], host=[5])
+    rig.place(1, resident=[7], host=[9])
+    for lv in rig.rt.layers.values():
+        lv.host.zero_()
+
+    def step(computed, seed, run):
+        rig.batch.schedule(computed=computed, scheduled=[1] * len(computed))
+        fill_pattern(rig.slab, seed)
+        md = attn_metadata(rig.batch, len(computed), len(computed), device="cuda")
+        rig.worker.start_step(rig.meta(), md)
+        out = run(md)
+        rig.worker.finish_forward()
+        torch.cuda.synchronize()
+        return out
+
+    def check(row, pos, mirrored):
+        for name, lv in rig.rt.layers.items():
+            (res, g), = written_rows(rig, row, [pos], lv.pair)
+            want = rig.resident_row(name, res).cpu() if mirrored else \
+                torch.zeros_like(lv.host[g])
+            assert torch.equal(lv.host[g], want), (name, row, pos)
+
+    graph = torch.cuda.CUDAGraph()
+
+    def capture(md):
+        with torch.cuda.graph(graph):
+            rig.attend(md)
+
+    step([10, 20], 1, capture)
+    check(0, 10, False)  # captured, not run
+    step([11, 21], 2, lambda md: graph.replay())
+    check(0, 11, True)
+    check(1, 21, True)
+    check(0, 10, False)
+    kept = {n: lv.host.clone() for n, lv in rig.rt.layers.items()}
+    step([12], 3, lambda md: graph.replay())  # one real token, one pad (slot -1)
+    check(0, 12, True)
+    for name, lv in rig.rt.layers.items():  # row 1's rows: not copied again
+        (res, g), = written_rows(rig, 1, [21], lv.pair)
+        assert torch.equal(lv.host[g], kept[name][g])
+        assert not torch.equal(lv.host[g], rig.resident_row(name, res).cpu())
+    rig.worker.shutdown()
 
 
 def test_decode_rows_match_the_cpu_reference(kernels):

@@ -348,12 +348,21 @@ class WorkerRig:
 
     def run(self, meta, num_decodes: int = 0, num_decode_tokens: int = 0,
             before_finish=None) -> None:
-        """One step: start_step, ``before_finish`` (the forward), finish."""
+        """One step: start_step, ``before_finish`` (the forward's writes),
+        the attention calls, finish."""
         md = attn_metadata(self.batch, num_decodes, num_decode_tokens)
         self.worker.start_step(meta, md)
         if before_finish is not None:
             before_finish()
+        self.attend(md)
         self.worker.finish_forward()
+
+    def attend(self, md) -> None:
+        """The forward's attention calls, as ``hisparse_forward_mqa`` makes
+        them: every sparse layer in model order (a pure-decode batch is
+        mirrored after the last target layer's)."""
+        for name in self.layout.sparse_layers:
+            self.worker.on_attention(name, md.num_prefills == 0, md.num_actual_tokens)
 
     def resident_row(self, layer: str, row: int) -> torch.Tensor:
         view = self.rt.layers[layer].resident

@@ -431,6 +431,7 @@ def apply_residency_updates(runner: "GPUModelRunner", scheduler_output: Any) -> 
     meta = step_metadata(scheduler_output.kv_connector_metadata)
     if meta is None or not meta.update_req_ids:
         return
+    runtime.note_residency_updates()
     batch = runner.input_batch
     for i in range(len(meta.update_req_ids)):
         req_id, start, block_ids = meta.residency_update(i)

@@ -107,8 +107,13 @@ def hisparse_forward_mqa(
                 row_req=row_req,
             )
         decoded = _decode(impl, q[:num_decode_tokens], rows, fp8, views.attention)
-        if num_prefill_tokens == 0:
-            return decoded, None
+    # After the last target layer, a pure-decode batch's mirror (captured
+    # with the layer by a FULL graph: P2).
+    binding.worker.on_attention(
+        binding.layer_name, attn_metadata.num_prefills == 0, num_tokens
+    )
+    if decoded is not None and num_prefill_tokens == 0:
+        return decoded, None
 
     out = q.new_empty((num_tokens, impl.num_heads, impl.kv_lora_rank))
     if decoded is not None:

@@ -618,6 +618,27 @@ _SLOT_PTRS: dict[tuple[int, ...], torch.Tensor] = {}
 """(device, buffer addresses) -> the addresses as a device tensor."""
 
 
+def mirror_slot_table(resident_slots: list[torch.Tensor]) -> torch.Tensor:
+    """K5b's device table of the slot-mapping buffers' addresses, made on
+    the first call for a set of buffers (the runner allocates them once).
+    The worker makes it at startup when the forward launches K5b, whose
+    first call may be under CUDA graph capture."""
+    device = _require_cuda(resident_slots[0], "resident_slots[0]")
+    key = (device.index or 0,) + tuple(t.data_ptr() for t in resident_slots)
+    ptrs = _SLOT_PTRS.get(key)
+    if ptrs is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "HiSparse: mirror_descriptors' first call for these slot-mapping "
+                "buffers cannot run under CUDA graph capture (it copies their "
+                "address table); make it first (mirror_slot_table)")
+        # Deliberate: one small blocking copy per set of buffers, never on a
+        # later step.
+        ptrs = torch.tensor(key[1:], dtype=torch.int64, device=device)
+        _SLOT_PTRS[key] = ptrs
+    return ptrs
+
+
 def mirror_descriptors(resident_slots: list[torch.Tensor],
                        source_slots: torch.Tensor, pair_of_layer: torch.Tensor,
                        src_base: torch.Tensor, dst_base: torch.Tensor,
@@ -629,19 +650,8 @@ def mirror_descriptors(resident_slots: list[torch.Tensor],
     of every mirrored layer, in one launch (reference.ref_mirror_descriptors
     states the semantics). ``resident_slots`` are the runner's persistent
     slot-mapping buffers, passed to the kernel by address."""
-    device = _require_cuda(source_slots, "source_slots")
-    key = (device.index or 0,) + tuple(t.data_ptr() for t in resident_slots)
-    ptrs = _SLOT_PTRS.get(key)
-    if ptrs is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "HiSparse: mirror_descriptors' first call for these slot-mapping "
-                "buffers cannot run under CUDA graph capture (it copies their "
-                "address table); the worker builds descriptors outside graphs")
-        # Deliberate: one small blocking copy per set of buffers (the
-        # runner allocates them once), never on a later step.
-        ptrs = torch.tensor(key[1:], dtype=torch.int64, device=device)
-        _SLOT_PTRS[key] = ptrs
+    _require_cuda(source_slots, "source_slots")
+    ptrs = mirror_slot_table(resident_slots)
     slot_len = min(t.shape[0] for t in resident_slots)
     _ops().mirror_descriptors(ptrs, source_slots, pair_of_layer, src_base,
                               dst_base, src, dst, nbytes, first, n, slot_len,

@@ -185,6 +185,15 @@ def _layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def last_in_forward(names: Sequence[str]) -> str | None:
+    """The layer of ``names`` (model order) that the forward runs last: the
+    last one, when every name has a ``layers.<i>`` index (so model order is
+    execution order); None when one has none."""
+    if not names or any(_layer_index(n) is None for n in names):
+        return None
+    return max(names, key=_layer_index)
+
+
 def _model_order(names: Sequence[str]) -> list[str]:
     """Sort layer names by decoder-layer index, stably.
 

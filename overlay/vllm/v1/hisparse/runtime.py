@@ -436,6 +436,14 @@ class HiSparseRuntime:
         released. K4 runs while the set is not empty (P2: a prefix hit
         gets a region, and at no pressure all its pages are adopted, so
         no K4 launch per index group per step)."""
+        self._slot_unchecked = np.zeros(g.max_num_seqs + 1, dtype=bool)
+        """Per state slot: its request may have a host-only context page
+        that ``slots_with_entries`` does not know of. Set when the slot is
+        assigned and, for every slot, when residency updates arrive (the
+        only other way a row gains a null resident entry: new pages are
+        resident, new and resumed requests get a new region); cleared when
+        checked. Row S (no region) stays False (P2: a steady step checks
+        no row)."""
         self.decode_split: tuple[int, int] | None = None
         """The target forward's (num_decodes, num_decode_tokens) this step."""
         self.draft_passes = 0
@@ -484,6 +492,7 @@ class HiSparseRuntime:
                 missing = [int(b) for b, s in zip(freed, released) if s is None]
                 raise RuntimeError(f"HiSparse: freed unknown hot regions {missing}")
             self.slots_with_entries.difference_update(released)
+            self._slot_unchecked[released] = False
         if allocated.size:
             if len(requests) != allocated.size:
                 raise RuntimeError(
@@ -494,6 +503,12 @@ class HiSparseRuntime:
             slots = [self.slots.assign(int(b), r) for b, r in zip(allocated, requests)]
             self.reset_slots(self._index(np.asarray(slots, dtype=np.int64)))
             self.slots_with_entries.difference_update(slots)
+            self._slot_unchecked[slots] = True
+
+    def note_residency_updates(self) -> None:
+        """Residency updates rewrote resident table rows this step (lost or
+        adopted pages): every slot's request is checked again."""
+        self._slot_unchecked[: self.resident_only_slot] = True
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Every slot's dgi row to -1 and lru row to 0..H-1 (4.8 step 1)."""
@@ -530,15 +545,12 @@ class HiSparseRuntime:
     def _note_slots_that_may_miss(self, state: np.ndarray) -> None:
         """Slots of this step's rows whose request has a host-only context
         page join ``slots_with_entries`` (before the forward whose resolver
-        may fill them). O(rows with a slot not yet in the set)."""
-        if not self.slots.of_request:
-            return
-        rows = np.nonzero(
-            (state != self.resident_only_slot)
-            & ~np.isin(state, list(self.slots_with_entries))
-        )[0]
+        may fill them). Only unchecked slots are looked at: O(rows whose
+        slot was assigned or whose residency changed)."""
+        rows = np.nonzero(self._slot_unchecked[state])[0]
         if rows.size == 0:
             return
+        self._slot_unchecked[state[rows]] = False
         seq = np.asarray(self.tables.seq_lens_cpu()[rows], dtype=np.int64)
         resident = self.tables.host(self.resident_group_ids[0])
         backed = host_backed_rows(resident, rows, seq, self.block_size)

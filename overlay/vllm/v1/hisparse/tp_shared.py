@@ -250,6 +250,9 @@ class ReaderHostWriteEvents:
     def record(self, stream: Any) -> None:
         return None
 
+    def record_on_compute(self) -> None:
+        return None
+
     def synchronize_previous(self) -> None:
         raise RuntimeError(
             "HiSparse: a non-writer rank never accesses host memory from the "

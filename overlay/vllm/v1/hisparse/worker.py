@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.hisparse import debug_faults
+from vllm.v1.hisparse.layout import last_in_forward
 from vllm.v1.hisparse.metadata import HiSparseStepMetadata, HiSparseWorkerAck, empty_ids
 from vllm.v1.hisparse.runtime import HiSparseRuntime
 from vllm.v1.hisparse.tp_shared import HostSharing, ReaderHostWriteEvents, WriterLink
@@ -171,6 +172,9 @@ class HostWriteEvents:
         ):
             self._events = [streams.event(f"host_write{i}") for i in (0, 1)]
         self._recorded = [False, False]
+        self._on_compute = [False, False]
+        """Recorded on the compute stream: the next step's compute follows
+        it in stream order, so ``rotate`` issues no wait for it (P2)."""
         self._cur = 0
         self._step = 0
         self._previous_step = 0
@@ -186,14 +190,23 @@ class HostWriteEvents:
         self._cur ^= 1
         self._recorded[self._cur] = False
         self._previous_step, self._step = self._step, step
-        if self._recorded[prev]:
+        if self._recorded[prev] and not self._on_compute[prev]:
             self._streams.wait(self._streams.compute(), self._events[prev])
 
     def record(self, stream: Any) -> None:
+        """This step's host writes end at ``stream``'s current position."""
+        self._record(stream, on_compute=False)
+
+    def record_on_compute(self) -> None:
+        """This step's host writes were all issued on the compute stream."""
+        self._record(self._streams.compute(), on_compute=True)
+
+    def _record(self, stream: Any, on_compute: bool) -> None:
         if self._link is not None:
             self._link.before_record(self._previous_step)
         self._streams.record(self._events[self._cur], stream)
         self._recorded[self._cur] = True
+        self._on_compute[self._cur] = on_compute
         if self._link is not None:
             self._link.after_record(self._cur, self._step)
 
@@ -292,6 +305,16 @@ class MirrorPlan:
             first_token, n, g.block_size, g.bytes_per_block, g.row_bytes)
         return n
 
+    def prepare_for_capture(self) -> None:
+        """What ``build`` needs that a CUDA graph capture cannot make: the
+        device table of the slot-mapping buffers (once, at startup)."""
+        from vllm.v1.hisparse import kernels
+
+        rt = self.runtime
+        kernels.mirror_slot_table(
+            [rt.tables.slot_mapping(gid) for gid in rt.resident_group_ids]
+        )
+
     def spans_of(self, range_indices: list[int]) -> list[slice]:
         """The descriptors of ``range_indices`` (ascending) as contiguous
         slices: consecutive resident groups' slices merge."""
@@ -346,6 +369,9 @@ class _StepState:
     """A draft pass wrote the draft layers' rows this step (F2, INV-25)."""
     submitted: bool = False
     forward_ready: Any = None
+    mirror_in_forward: bool = False
+    """A pure-decode step whose target rows the forward mirrors itself
+    (``HiSparseWorker.mirror_in_forward``)."""
 
 
 class HiSparseWorker:
@@ -415,7 +441,23 @@ class HiSparseWorker:
         self._layer_pair = np.array([lv.pair for lv in layers], dtype=np.int64)
         self._layer_offset = np.array([lv.offset for lv in layers], dtype=np.int64)
         self._layer_host = np.array([lv.host_ptr for lv in layers], dtype=np.int64)
+        self.decode_mirror_layer = self._decode_mirror_layer()
+        """The target layer whose forward mirrors a pure-decode batch's rows
+        (``mirror_in_forward``); None: ``finish_forward`` submits them."""
         _set_current(self)
+
+    def _decode_mirror_layer(self) -> str | None:
+        """The last target layer the forward runs, when the writer mirrors
+        decode rows eagerly and the model has no draft layers (a draft
+        range's descriptors are built with the target's token count, which a
+        FULL graph fixes at capture: the drafter keeps the DMA path)."""
+        if not (self.writer and self.eager_host_mirror) or self._draft_layers:
+            return None
+        layer = last_in_forward(list(self.runtime.layers))
+        if layer is not None and self.runtime.device.type == "cuda":
+            # Its address table now: the forward may first run under capture.
+            self.mirror.prepare_for_capture()
+        return layer
 
     # ------------------------------------------------------------ W1
 
@@ -466,11 +508,15 @@ class HiSparseWorker:
             has_forward=has_forward,
             per_layer=has_forward and not pure_decode and self.writer,
             pending_spills=spills,
+            mirror_in_forward=pure_decode and self.decode_mirror_layer is not None,
         )
         if not has_forward:
             # INV-15: a zero-token step still submits its transfers.
             self._submit_spills(self._step)
-            self.host_write.record(streams.compute())
+            if self._step.submitted:
+                self.host_write.record(streams.dma)
+            else:
+                self.host_write.record_on_compute()
             self._step = None
             return
         rt.prepare_forward(
@@ -483,7 +529,32 @@ class HiSparseWorker:
         if self.writer:
             decode_tokens = int(attn_metadata.num_decode_tokens)
             first = 0 if self.eager_host_mirror else decode_tokens
-            self.mirror.build(first, rt.num_tokens)
+            if self._step.mirror_in_forward:
+                # The forward builds and copies them; what it covers (the
+                # debug audit reads it).
+                self.mirror.first_token, self.mirror.num_rows = 0, rt.num_tokens
+            else:
+                self.mirror.build(first, rt.num_tokens)
+
+    def on_attention(self, layer_name: str, pure_decode: bool, num_tokens: int) -> None:
+        """A sparse-MLA layer's attention ran (``hisparse_forward_mqa``, in
+        the forward, captured by a FULL graph): after the last target
+        layer's, a pure-decode batch's rows are mirrored."""
+        if pure_decode and layer_name == self.decode_mirror_layer:
+            self.mirror_in_forward(num_tokens)
+
+    def mirror_in_forward(self, num_tokens: int) -> None:
+        """The row mirror of a pure-decode batch from inside the forward, at
+        ``decode_mirror_layer`` (every target layer has written its KV): K5b
+        then K5 on the compute stream. Graph-safe (persistent buffers; a
+        padding token has slot -1 and copies nothing, as in a dummy run), so
+        a FULL graph replays it and the step spends no host time on the
+        mirror (P2). No events: the next step's compute follows it in stream
+        order (INV-27), and a spill's barrier waits for this forward."""
+        m = self.mirror
+        if m.build(0, num_tokens):
+            for part in m.spans_of(self._target_ranges):
+                self.runtime.ops.copy_descriptors(*m.descriptors(part))
 
     # ------------------------------------------------------------ W2
 
@@ -527,7 +598,9 @@ class HiSparseWorker:
         # Target ranges, then draft ranges (indices after every target one),
         # then the spills: one DMA-stream order gives INV-26. A drafter that
         # did not run wrote no draft row, so none is copied (INV-25).
-        if step.mirrored_ranges:
+        if step.mirror_in_forward:
+            pending = []  # the forward copied them (and there are no draft layers)
+        elif step.mirrored_ranges:
             pending = [i for i in self._target_ranges if i not in step.mirrored_ranges]
         else:
             pending = self._target_ranges  # read only (P2: no list per step)
@@ -538,7 +611,7 @@ class HiSparseWorker:
         if step.submitted:
             self.host_write.record(self.streams.dma)
         else:
-            self.host_write.record(self.streams.compute())
+            self.host_write.record_on_compute()
         rt.invalidate_written(rt.num_tokens)
         if self._debug and self.writer:
             self._remember_for_audit(step.draft_written)
@@ -590,8 +663,9 @@ class HiSparseWorker:
         event = self._completion_event("transfer")
         with streams.on(streams.dma):
             if step.forward_ready is None:
-                # A zero-token step: the barrier still follows every earlier
-                # host write on the DMA stream and this step's compute.
+                # A zero-token step or a mirror in the forward: the barrier
+                # still follows every earlier host write on the DMA stream
+                # and this step's compute.
                 streams.wait(streams.dma, self._forward_ready(step))
             streams.record(event, streams.dma)
         step.submitted = True

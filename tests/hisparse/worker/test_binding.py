@@ -213,3 +213,27 @@ def test_the_runner_pads_no_hot_group_slot_mapping():
     runner.hisparse_runtime = None
     assert set(GPUModelRunner._get_slot_mappings(runner, 16, 4, 10)[0]) == set(range(n))
 
+
+
+def test_a_dummy_run_resets_the_step_inputs_before_anything_else():
+    """F13 (runner hook at the top of ``GPUModelRunner._dummy_run``, run on
+    the real method): a run outside a step may replay a FULL graph that
+    reads the resolver's step inputs, which a real step now leaves on the
+    device; the runtime resets them before the run does anything (here the
+    run stops at its first check, after the hook)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    calls = []
+    runner = SimpleNamespace(
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(multimodal_config=None)),
+        hisparse_runtime=SimpleNamespace(before_dummy_run=lambda: calls.append("reset")),
+    )
+    invalid = SimpleNamespace(is_valid_runtime_mode=lambda: calls.append("mode") or False)
+    with pytest.raises(AssertionError):
+        GPUModelRunner._dummy_run(runner, 4, cudagraph_runtime_mode=invalid)
+    assert calls == ["reset", "mode"]
+    runner.hisparse_runtime = None  # HiSparse off: no hook
+    calls.clear()
+    with pytest.raises(AssertionError):
+        GPUModelRunner._dummy_run(runner, 4, cudagraph_runtime_mode=invalid)
+    assert calls == ["mode"]

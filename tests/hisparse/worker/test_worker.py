@@ -357,7 +357,8 @@ def test_request_state_follows_hot_regions_and_padding_is_minus_one():
     """W-7, INV-24, F13: a new hot region gets a freshly reset slot;
     req_state maps each real row to its slot (the shared resident-only slot
     without a region, -1 for padding rows); row_req is -1 past the real
-    tokens; a freed region's slot is released."""
+    tokens, and all -1 once a run outside a step is next (a dummy run may
+    replay a FULL graph); a freed region's slot is released."""
     rig = WorkerRig()
     rt = rig.rt
     rig.place(0, resident=[3], host=[5], hot=[20, 21])
@@ -375,6 +376,7 @@ def test_request_state_follows_hot_regions_and_padding_is_minus_one():
         assert torch.all(group.dgi[slot] == -1)
         assert group.lru[slot].tolist() == list(range(rt.geometry.device_buffer_size))
     rig.worker.finish_forward()
+    rt.before_dummy_run()  # the runner's _dummy_run, before any graph replay
     assert torch.all(rt.req_state == -1) and torch.all(rt.row_req == -1)
     rig.worker.start_step(rig.meta(hot_regions_freed=np.array([20])), md)
     assert rt.slots.num_live == 0 and not rt.slots.of_request

@@ -114,6 +114,33 @@ def test_a_captured_decode_mirror_copies_each_replayed_step(kernels):
     rig.worker.shutdown()
 
 
+def test_steady_decode_steps_copy_their_inputs_once(kernels):
+    """P2, F13 on the H200: the resolver's step inputs (row_req, req_state)
+    reach the device in a copy only when they changed. A steady decode
+    batch copies once and the device keeps them between steps; a dummy
+    run's reset leaves padding there, and the next step copies again."""
+    rig = CudaRig(kernels)
+    rt = rig.rt
+    rig.place(0, resident=[3], host=[5])
+    rig.place(1, resident=[7], host=[9])
+    s = rt.resident_only_slot
+
+    def step(computed):
+        rig.batch.schedule(computed=[computed] * 2, scheduled=[1, 1])
+        rig.run(rig.meta(), num_decodes=2, num_decode_tokens=2)
+        return (rt.step_inputs.copies, rt.row_req[:3].tolist(),
+                rt.req_state[:3].tolist())
+
+    first = step(10)
+    assert first[1:] == ([0, 1, -1], [s, s, -1])
+    assert step(11) == first and step(12) == first
+    rt.before_dummy_run()
+    torch.cuda.synchronize()
+    assert (rt.row_req == -1).all() and (rt.req_state == -1).all()
+    assert step(13) == (first[0] + 1,) + first[1:]
+    rig.worker.shutdown()
+
+
 def test_decode_rows_match_the_cpu_reference(kernels):
     """C7 on the H200 equals the same step on the CPU references: rows,
     plan, hot bytes, dgi/lru (T2 through the runtime)."""

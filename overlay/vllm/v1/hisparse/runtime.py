@@ -236,7 +236,10 @@ class StepInputs:
 
     The host buffers alternate; before one is rewritten, the copy that read
     it two steps ago is waited for (a deliberate host sync on an event that
-    has long completed: the compute stream runs at most one step behind)."""
+    has long completed: the compute stream runs at most one step behind).
+    A step whose inputs equal what the device tensor already holds (a
+    steady decode batch) copies nothing; a run outside a step resets the
+    tensor to padding first (``reset``, F13)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, device: torch.device) -> None:
         self.max_tokens = max_tokens
@@ -258,6 +261,9 @@ class StepInputs:
         ]
         self._sent: list[Any] = [None] * len(self._host)
         self._cur = 0
+        self._held = np.full(self.tensor.shape, -1, dtype=np.int32)
+        """What the device tensor holds once the work issued so far ran."""
+        self.copies = 0
 
     def host_views(self) -> tuple[np.ndarray, np.ndarray]:
         """The next host buffer, all -1: (row_req, req_state) to fill."""
@@ -270,19 +276,27 @@ class StepInputs:
         return row_req, req_state
 
     def send(self) -> None:
-        """Copy the filled host buffer into the device tensor."""
+        """Copy the filled host buffer into the device tensor, unless the
+        tensor holds the same values already (P2: no copy, no event)."""
         if not self.cuda:
+            return
+        buf = self._host_np[self._cur][2]
+        if np.array_equal(buf, self._held):
             return
         self.tensor.copy_(self._host[self._cur], non_blocking=True)
         event = self._sent[self._cur] or torch.cuda.Event()
         event.record()
         self._sent[self._cur] = event
+        self._held[:] = buf
+        self.copies += 1
 
     def reset(self) -> None:
-        # Every step, not lazily before the next run outside a step: a DP
-        # rank's dummy batch can replay a FULL graph, which runs no Python
-        # that could pad first (F13).
+        """Padding only (-1): before a run outside a step (a dummy run, a
+        capture, a DP rank's idle batch), which can replay a FULL graph
+        that reads these inputs (F13). The runner calls it at the start of
+        every such run (``before_dummy_run``)."""
         self.tensor.fill_(-1)
+        self._held.fill(-1)
 
 
 @dataclass(frozen=True)
@@ -686,9 +700,14 @@ class HiSparseRuntime:
             )
         self.draft_passes += 1
 
-    def end_forward(self) -> None:
-        """Back to padding, so that a dummy or captured run touches no state."""
+    def before_dummy_run(self) -> None:
+        """A run outside a step is next (the runner's ``_dummy_run``): its
+        graphs must see padding, not the last step's inputs (F13)."""
         self.step_inputs.reset()
+
+    def end_forward(self) -> None:
+        """The step is over. Its inputs stay on the device (the next step
+        often sends the same: P2) until a dummy run resets them."""
         self.step_active = False
         self.decode_split, self.draft_passes = None, 0
         self.workspace.owner = None

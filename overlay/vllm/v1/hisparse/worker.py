@@ -12,8 +12,11 @@ host pool:
   (host row g = host_block * B + offset). Descriptors (one per token and
   layer, W bytes) are built on the GPU from those mappings before the
   forward, so no host sync and no per-token Python is needed, and executed by
-  ``copy_descriptors`` (K5) on the DMA stream. Decode mirrors are 656-B rows:
-  never one copy-engine descriptor per row (4.10).
+  ``copy_descriptors`` (K5) on the DMA stream. A pure-decode batch is
+  mirrored inside the forward instead, after the last target layer's
+  attention, where a FULL graph captures both launches
+  (``mirror_in_forward``, docs/worker.md K39). Decode mirrors are 656-B
+  rows: never one copy-engine descriptor per row (4.10).
 - **per-layer submission** (4.10): in a batch that is not pure decode (and
   so never a FULL-graph replay), the mirror of a resident group's layers is
   submitted as soon as its last layer has written its KV (``on_kv_written``),
@@ -31,7 +34,8 @@ host pool:
   copies the page of every layer with the copy engines (page-sized
   descriptors). Prefill rows are always mirrored.
 - **host-write events** (4.11): two events alternate; the compute stream of
-  step t+1 waits for every host write of step t (INV-27), which also keeps
+  step t+1 waits for every host write of step t (INV-27; in stream order
+  when they all ran on the compute stream), which also keeps
   the persistent descriptor buffers and any freed-and-reused GPU block from
   being overwritten under an in-flight copy.
 - **acks** (4.3, F17): a transfer is reported enqueued in the step it was

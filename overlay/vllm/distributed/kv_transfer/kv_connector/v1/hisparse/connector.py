@@ -151,7 +151,8 @@ class HiSparseConnector(ResidencyClient, KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # The decode path is captured in FULL graphs; mirrors are submitted
+        # The decode path is captured in FULL graphs, a pure-decode batch's
+        # mirror with it (docs/worker.md K39); other mirrors are submitted
         # outside the model (spec 4.10, INV-32).
         return False
 

@@ -10,11 +10,14 @@ alternation      the order of the arms in each repetition: rotated by one
                  per repetition, so every arm runs first equally often and a
                  linear drift cancels between two arms (A B, B A, ...)
 time_weighted_mean  a sampled step function's mean over [t0, t1]
+bootstrap_ratio  a percentile interval of stat(num) / stat(den) over paired
+                 repetitions, resampled with replacement (fixed seed)
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 
 
@@ -112,3 +115,36 @@ def time_weighted_mean(series: Sequence[tuple[float, float]], t0: float,
     for (ta, va), (tb, _) in zip(knots, knots[1:] + [(t1, 0.0)]):
         total += va * (tb - ta)
     return total / (t1 - t0)
+
+
+STATISTICS = {"min": min, "median": median}
+
+
+def bootstrap_ratio(pairs: Sequence[tuple[float, float]], statistic: str = "min",
+                    level: float = 0.90, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """The central ``level`` percentile interval of stat(nums) / stat(dens)
+    over ``pairs`` [(num, den)], one pair per repetition (both arms'
+    samples of it, so a repetition's shared conditions stay together),
+    the repetitions resampled with replacement ``resamples`` times. A
+    fixed seed: the same samples give the same interval. None with fewer
+    than three pairs (too few to say anything of the spread)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level {level} outside (0, 1)")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, not {resamples}")
+    stat = STATISTICS[statistic]
+    pts = [(n, d) for n, d in ((float(a), float(b)) for a, b in pairs)]
+    _finite([v for p in pts for v in p])
+    if len(pts) < 3:
+        return None
+    if any(d <= 0 for _, d in pts):
+        raise ValueError("a ratio needs positive denominators")
+    rng = random.Random(seed)
+    k = len(pts)
+    ratios = []
+    for _ in range(resamples):
+        pick = [pts[rng.randrange(k)] for _ in range(k)]
+        ratios.append(stat([n for n, _ in pick]) / stat([d for _, d in pick]))
+    tail = (1 - level) / 2 * 100
+    return percentile(ratios, tail), percentile(ratios, 100 - tail)

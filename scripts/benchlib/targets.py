@@ -12,7 +12,7 @@ even if others are missing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 P2_RATIO = 1.10
 P2_MODES = ("default", "fdo")
@@ -55,21 +55,49 @@ def _combine(checks: Iterable[bool], missing: list) -> bool | None:
     return True
 
 
+def interval_entry(interval: Sequence[float] | None, limit: float | None = None) -> dict:
+    """A cell's 90% interval for a verdict's ``measured`` (nothing if none)
+    and, against ``limit``, whether the run resolves the cell: the whole
+    interval on one side of it."""
+    if not interval:
+        return {}
+    lo, hi = float(interval[0]), float(interval[1])
+    out: dict = {"interval90": [round(lo, 4), round(hi, 4)]}
+    if limit is not None:
+        out["resolved"] = hi <= limit or lo > limit
+    return out
+
+
 def p2(ratios: Mapping[tuple[str, int], float], modes=P2_MODES,
-       batches=P2_BATCHES) -> dict:
+       batches=P2_BATCHES,
+       intervals: Mapping[tuple[str, int], Sequence[float]] | None = None) -> dict:
     """``ratios[(mode, batch)]``: decode step on / off, tiny model, by the
-    cell's statistic (bench-tax: the fastest sample where step-clocked)."""
-    measured, checks, missing = {}, [], []
+    cell's statistic (bench-tax: the fastest sample where step-clocked).
+    The verdict reads the ratios; ``intervals`` (each cell's 90% bootstrap
+    interval) say which cells the run resolves, and ``unresolved`` names
+    the others: a pass or fail there is within the run's noise."""
+    intervals = intervals or {}
+    measured, checks, missing, unresolved = {}, [], [], []
     for mode in modes:
         for b in batches:
             r = ratios.get((mode, b))
             if r is None:
                 missing.append(f"{mode}/batch{b}")
                 continue
-            measured[f"{mode}/batch{b}"] = {"ratio": round(r, 4), "pass": r <= P2_RATIO}
+            entry = {"ratio": round(r, 4), "pass": r <= P2_RATIO,
+                     **interval_entry(intervals.get((mode, b)), P2_RATIO)}
+            measured[f"{mode}/batch{b}"] = entry
             checks.append(r <= P2_RATIO)
+            if entry.get("resolved") is False:
+                unresolved.append(f"{mode}/batch{b}")
     ok = _combine(checks, missing)
-    return verdict("P2", ok, measured, f"not measured: {', '.join(missing)}" if missing else "")
+    why = [f"not measured: {', '.join(missing)}"] if missing else []
+    if unresolved:
+        why.append(f"within the run's noise (90% interval spans {P2_RATIO}): "
+                   f"{', '.join(unresolved)}")
+    out = verdict("P2", ok, measured, "; ".join(why))
+    out["unresolved"] = unresolved
+    return out
 
 
 def p2_split(fits: Mapping[tuple[str, int], Mapping[str, float]]) -> dict:

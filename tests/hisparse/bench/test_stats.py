@@ -99,3 +99,29 @@ def test_time_weighted_mean_is_a_plain_mean_for_even_sampling():
     vals = [3, 1, 4, 1, 5, 9, 2, 6]
     series = list(zip(itertools.count(0.0, 0.5), vals))
     assert stats.time_weighted_mean(series, 0.0, 4.0) == pytest.approx(sum(vals) / len(vals))
+
+
+def test_bootstrap_ratio_collapses_on_a_constant_ratio_and_widens_with_noise():
+    """P2's resolution: a constant per-repetition ratio has a point
+    interval; noise widens it around the ratio of the statistic."""
+    exact = [(2.2 * k, 2.0 * k) for k in (1.0, 1.1, 1.3, 0.9, 1.2)]
+    lo, hi = stats.bootstrap_ratio(exact, "median")
+    assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    noisy = [(2.2, 2.0), (3.3, 2.0), (2.2, 3.0), (2.4, 2.1), (2.3, 2.6), (3.0, 2.0)]
+    lo, hi = stats.bootstrap_ratio(noisy, "median")
+    assert lo < stats.median([n for n, _ in noisy]) / stats.median([d for _, d in noisy]) < hi
+    assert hi - lo > 0.3
+
+
+def test_bootstrap_ratio_is_reproducible_and_needs_three_pairs():
+    pairs = [(1.0 + 0.1 * i, 1.0 + 0.07 * (i % 4)) for i in range(9)]
+    assert stats.bootstrap_ratio(pairs) == stats.bootstrap_ratio(pairs)  # fixed seed
+    a = stats.bootstrap_ratio(pairs, "median", seed=1, resamples=50)
+    assert a != stats.bootstrap_ratio(pairs, "median", seed=2, resamples=50)
+    assert stats.bootstrap_ratio(pairs[:2]) is None
+    with pytest.raises(ValueError):
+        stats.bootstrap_ratio(pairs, level=1.0)
+    with pytest.raises(ValueError):
+        stats.bootstrap_ratio([(1.0, 0.0)] * 3)
+    with pytest.raises(KeyError):
+        stats.bootstrap_ratio(pairs, "mean")

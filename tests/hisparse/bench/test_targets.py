@@ -19,6 +19,23 @@ def test_p2_passes_fails_and_names_what_is_missing():
     assert T.p2({("default", 1): 1.9})["pass"] is False
 
 
+def test_p2_names_the_cells_its_run_does_not_resolve():
+    """P2 with each cell's 90% interval: a cell whose interval spans 1.10
+    is unresolved (the verdict still reads the ratio, and says so)."""
+    iv = {k: (1.01, 1.08) for k in ALL}
+    iv[("fdo", 16)] = (1.02, 1.42)
+    v = T.p2(ALL, intervals=iv)
+    assert v["pass"] is True and v["unresolved"] == ["fdo/batch16"]
+    assert v["measured"]["fdo/batch16"] == {"ratio": 1.05, "pass": True,
+                                            "interval90": [1.02, 1.42], "resolved": False}
+    assert v["measured"]["fdo/batch1"]["resolved"] is True
+    assert "fdo/batch16" in v["why"]
+    fail = T.p2({**ALL, ("fdo", 1): 1.3}, intervals={**iv, ("fdo", 1): (1.2, 1.4)})
+    assert fail["pass"] is False and fail["measured"]["fdo/batch1"]["resolved"] is True
+    assert T.p2(ALL)["unresolved"] == [] and "interval90" not in T.p2(ALL)["measured"][
+        "fdo/batch1"]
+
+
 def test_p2_split():
     ok = {("default", 1): {"fixed_us": 55.0, "per_layer_us": 3.9, "layers": [4, 32]}}
     assert T.p2_split(ok)["pass"] is True

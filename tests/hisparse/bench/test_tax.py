@@ -306,6 +306,29 @@ def test_ratio_pairs_the_same_repetition_of_the_same_run():
     assert r["pairwise"]["min"] == pytest.approx(2.0) and r["pairwise"]["max"] == pytest.approx(2.0)
 
 
+def test_ratio_carries_a_bootstrap_interval_over_its_repetitions():
+    """P2's resolution: the headline ratio comes with the 90% interval of
+    the same statistic over the paired repetitions; P2's verdict and the
+    A/A control carry it, and a noisy cell is named unresolved."""
+    steady = samples({"off": {("fdo", 4, 16): 2.0}, "on": {("fdo", 4, 16): 2.1},
+                      "off_b": {("fdo", 4, 16): 2.0}}, reps=6)
+    r = tax.summarize(steady)["fdo"]["4"]["16"]["ratios"]["on/off"]
+    assert r["interval90"] == pytest.approx([1.05, 1.05])
+    noisy = [dict(s) for s in steady]
+    for s in noisy:  # every other repetition of on runs 30% slow
+        if s["arm"] == "on" and s["rep"] % 2:
+            s["ms_per_step"] *= 1.3
+    summary = tax.summarize(noisy)
+    lo, hi = summary["fdo"]["4"]["16"]["ratios"]["on/off"]["interval90"]
+    assert lo == pytest.approx(1.05) and hi == pytest.approx(1.05 * 1.3)
+    v = tax.evaluate(summary)
+    cell = v["P2"]["measured"]["fdo/batch16"]
+    assert cell["resolved"] is False and v["P2"]["unresolved"] == ["fdo/batch16"]
+    assert v["aa_control"]["measured"]["fdo/batch16"]["interval90"] == [1.0, 1.0]
+    two = samples({"off": {("fdo", 4, 1): 2.0}, "on": {("fdo", 4, 1): 2.1}}, reps=2)
+    assert tax.summarize(two)["fdo"]["4"]["1"]["ratios"]["on/off"]["interval90"] is None
+
+
 def test_report_schema():
     rep = tax.build_report(cfg=cfg(), command="scripts/bench-tax", samples=samples(
         {"off": {("default", 4, 1): 1.0}, "on": {("default", 4, 1): 1.2}}), engines_info={},

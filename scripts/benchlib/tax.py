@@ -83,6 +83,10 @@ class TaxConfig:
     layers: list[int] = field(default_factory=lambda: [4])
     batches: list[int] = field(default_factory=lambda: [1, 8, 16])
     reps: int = 5
+    max_reps: int = 0
+    """More repetitions, up to this many, while P2's on/off ratio of the
+    cell is unresolved (its 90% interval spans 1.10) and the budget holds
+    the remaining cells' ``reps``; 0: exactly ``reps``."""
     n: int = 128
     m: int = 16
     prompt_len: int = 4096
@@ -117,6 +121,8 @@ class TaxConfig:
                 raise ValueError(f"unknown mode {md} (known: {', '.join(MODES)})")
         if self.reps < 1:
             raise ValueError("--reps must be >= 1")
+        if self.max_reps and self.max_reps < self.reps:
+            raise ValueError(f"--max-reps {self.max_reps} is below --reps {self.reps}")
         if self.n < 1 or self.m < 1:
             raise ValueError("--new-tokens N and --base-tokens M must be >= 1")
         longest = self.prompt_len + self.n + self.m
@@ -487,6 +493,21 @@ def ratio(num: list[Mapping], den: list[Mapping], what: str,
             "ratio_of_medians": medians, "ratio_of_minima": minima,
             "interval90": list(interval) if interval else None,
             "pairwise": stats.spread([n / d for n, d in paired])}
+
+
+def p2_resolved(samples: Iterable[Mapping]) -> bool | None:
+    """Whether one cell's samples (one mode, layer count and batch)
+    resolve P2: the 90% interval of on/off by the cell's statistic lies on
+    one side of 1.10. None without both arms or below three repetitions."""
+    arms: dict[str, list[Mapping]] = {}
+    for s in samples:
+        if not s.get("warmup"):
+            arms.setdefault(s["arm"], []).append(s)
+    if "on" not in arms or "off" not in arms:
+        return None
+    est = estimator_of({a: arms[a] for a in ("on", "off")})
+    r = ratio(arms["on"], arms["off"], "p2", est, statistic_of(est))
+    return targets.interval_entry(r["interval90"], targets.P2_RATIO).get("resolved")
 
 
 def fits(summary: Mapping, num: str = "on", den: str = "off") -> dict:

@@ -13,6 +13,9 @@ FAKE_ENGINE_SLOW_CPUS=<core list, e.g. "1">: an engine pinned to exactly
 these cores (BENCH_TAX_CPUS at start, then the "pin" op) steps 1.3x slower,
 whatever its arm (a slow core set).
 FAKE_ENGINE_MISSES=1: HiSparse engines count hot-buffer misses.
+FAKE_ENGINE_SLOW_SAMPLES=<arm>:<i,j,...>: that arm's engines (key ending in
+/<arm>) step 1.5x slower in their samples i, j, ... (0-based): the VM's
+slow mode, sample by sample.
 """
 
 import json
@@ -61,6 +64,9 @@ def main() -> int:
             reply = {"cpus": sorted(cmd["cpus"]), "threads_moved": 3}
         elif op == "sample":
             ms = step_ms(spec, cmd["batch"]) * (1.3 if slow and cpus == slow else 1.0)
+            arm, _, which = os.environ.get("FAKE_ENGINE_SLOW_SAMPLES", "").partition(":")
+            if arm and key.endswith("/" + arm) and str(samples_done) in which.split(","):
+                ms *= 1.5
             t_short = 0.05 + cmd["m"] * ms / 1e3
             t_long = t_short + cmd["n"] * ms / 1e3
             step_clock = os.environ.get("FAKE_ENGINE_STEP_MS") == "1"

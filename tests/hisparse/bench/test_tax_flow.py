@@ -197,6 +197,37 @@ def test_the_step_clock_is_the_estimator_where_every_sample_has_it(tax_cmd, monk
         cell["cpu"]["on"]["median"] / totals["arms"]["on"]["median"])
 
 
+def test_max_reps_continues_an_unresolved_p2_cell_until_it_resolves(tax_cmd, monkeypatch):
+    """P2's resolution (session 16: run 10's cells stayed unresolved at 9
+    repetitions): the off engine's samples 0 and 2 run in the VM's slow
+    mode (1.5x). After --reps 3 the on/off interval still reaches 1.0
+    (a resample without the one fast off sample), so the run goes on; at
+    five repetitions three fast off samples resolve it (a fail at 1.5x)
+    and it stops, well before --max-reps. Without --max-reps the same
+    cell ends unresolved, and the verdict says so."""
+    monkeypatch.setenv("FAKE_ENGINE_STEP_MS", "1")
+    monkeypatch.setenv("FAKE_ENGINE_SLOW_SAMPLES", "off:0,2")
+    base = ["--arms", "off,on", "--modes", "fdo", "--batches", "16", "--reps", "3",
+            "--no-rotate-cores"]
+    rc, rep, _ = tax_cmd(*base)
+    assert rc == 0 and len(rep["samples"]) == 6
+    p2 = rep["targets"]["P2"]
+    assert p2["measured"]["fdo/batch16"]["interval90"][0] == pytest.approx(1.0)
+    assert p2["unresolved"] == ["fdo/batch16"] and "within the run's noise" in p2["why"]
+    rc, rep, _ = tax_cmd(*base, "--max-reps", "8")
+    assert rc == 0 and rep["failures"] == []
+    assert sorted({s["rep"] for s in rep["samples"]}) == [0, 1, 2, 3, 4]
+    cell = rep["targets"]["P2"]["measured"]["fdo/batch16"]
+    assert cell["resolved"] is True and cell["interval90"] == pytest.approx([1.5, 1.5])
+    assert rep["targets"]["P2"]["unresolved"] == []
+
+
+def test_max_reps_below_reps_is_refused(bench_tax, capsys):
+    with pytest.raises(SystemExit):
+        bench_tax.main(["--reps", "5", "--max-reps", "3", "--dry-run"])
+    assert "--max-reps 3 is below --reps 5" in capsys.readouterr().err
+
+
 def test_without_a_step_clock_the_totals_are_the_estimator(tax_cmd):
     rc, rep, _ = tax_cmd("--arms", "off,on", "--modes", "fdo", "--batches", "16", "--reps", "2")
     cell = rep["summary"]["fdo"]["4"]["16"]

@@ -698,13 +698,19 @@ class HiSparseCoordinator:
             return
         pages = sorted(pages, reverse=True)
         blocks: list[KVCacheBlock] = []
+        owners = self.owners
         for p in pages:
+            key = (st, p)
             for t in tables:
                 blk = t[p]
-                self.owners.setdefault(blk.block_id, set()).add((st, p))
+                mine = owners.get(blk.block_id)
+                if mine is None:
+                    owners[blk.block_id] = {key}
+                else:
+                    mine.add(key)
                 blocks.append(blk)
-            st.pinned_clean.discard(p)
-            st.unpinned.add(p)
+        st.pinned_clean.difference_update(pages)
+        st.unpinned.update(pages)
         self.gpu_pool.unpin_blocks(blocks, self._on_block_reused)
         self.stats.pages_unpinned += len(pages)
 
@@ -785,20 +791,27 @@ class HiSparseCoordinator:
         """Adopt surviving GPU copies of host-prefix pages (4.7 step 3),
         only into null entries (INV-23) and only after the admitting
         allocation (which counted those blocks as free)."""
-        host = self._host_table(st.request_id)
-        for p in range(min(st.pages_to_adopt, len(tables[0]))):
-            if not tables[0][p].is_null:
+        host, first, copies = self._host_table(st.request_id), tables[0], self.copies
+        pages: list[int] = []
+        found: list[tuple[KVCacheBlock, ...]] = []
+        for p in range(min(st.pages_to_adopt, len(first))):
+            if not first[p].is_null:
                 continue
-            blocks = self.copies.get(host[p].block_hash)
-            if blocks is None:
-                continue
-            self.gpu_pool.touch(list(blocks))
-            for m, b in zip(self.residents, blocks):
-                m.adopt_page(st.request_id, p, b)
-            st.pinned_clean.add(p)
-            self._mark_dirty(st, p)
-            self.stats.pages_adopted += 1
+            blocks = copies.get(host[p].block_hash)
+            if blocks is not None:
+                pages.append(p)
+                found.append(blocks)
         st.pages_to_adopt = 0
+        if not pages:
+            return
+        # One touch and one table write per group for the whole hit: a long
+        # prefix is thousands of pages (P2: admission cost).
+        self.gpu_pool.touch([b for blocks in found for b in blocks])
+        for i, m in enumerate(self.residents):
+            m.adopt_pages(st.request_id, pages, [blocks[i] for blocks in found])
+        st.pinned_clean.update(pages)
+        self._mark_dirty(st, pages[0])
+        self.stats.pages_adopted += len(pages)
 
     # -------------------------------------------------------- publication
 

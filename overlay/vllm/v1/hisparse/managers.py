@@ -268,6 +268,22 @@ class HiSparseResidentManager(HiSparseLockstepManager):
             )
         table[page] = block
 
+    def adopt_pages(
+        self, request_id: str, pages: Sequence[int], blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """``adopt_page`` for ``pages[i]`` and ``blocks[i]``, all checked
+        before any is written (INV-23)."""
+        table = self.req_to_blocks[request_id]
+        taken = [p for p in pages if not table[p].is_null]
+        if taken:
+            p = taken[0]
+            raise AssertionError(
+                f"HiSparse: adopting a block into page {p} of {request_id}, which "
+                f"holds block {table[p].block_id} (INV-23)"
+            )
+        for p, block in zip(pages, blocks):
+            table[p] = block
+
 
 class HiSparseHotManager(HiSparseLockstepManager):
     """A hot group: a request's fixed region of hot slots (spec 2.4)."""

@@ -260,13 +260,7 @@ class HiSparseResidentManager(HiSparseLockstepManager):
     def adopt_page(self, request_id: str, page: int, block: KVCacheBlock) -> None:
         """Put a surviving GPU copy (the caller touched it) into a null entry
         (INV-23: adoption never replaces a resident block)."""
-        table = self.req_to_blocks[request_id]
-        if not table[page].is_null:
-            raise AssertionError(
-                f"HiSparse: adopting block {block.block_id} into page {page} of "
-                f"{request_id}, which holds block {table[page].block_id} (INV-23)"
-            )
-        table[page] = block
+        self.adopt_pages(request_id, (page,), (block,))
 
     def adopt_pages(
         self, request_id: str, pages: Sequence[int], blocks: Sequence[KVCacheBlock]
@@ -274,15 +268,14 @@ class HiSparseResidentManager(HiSparseLockstepManager):
         """``adopt_page`` for ``pages[i]`` and ``blocks[i]``, all checked
         before any is written (INV-23)."""
         table = self.req_to_blocks[request_id]
-        taken = [p for p in pages if not table[p].is_null]
-        if taken:
-            p = taken[0]
-            raise AssertionError(
-                f"HiSparse: adopting a block into page {p} of {request_id}, which "
-                f"holds block {table[p].block_id} (INV-23)"
-            )
-        for p, block in zip(pages, blocks):
-            table[p] = block
+        for page, block in zip(pages, blocks):
+            if not table[page].is_null:
+                raise AssertionError(
+                    f"HiSparse: adopting block {block.block_id} into page {page} of "
+                    f"{request_id}, which holds block {table[page].block_id} (INV-23)"
+                )
+        for page, block in zip(pages, blocks):
+            table[page] = block
 
 
 class HiSparseHotManager(HiSparseLockstepManager):

@@ -754,6 +754,52 @@ def test_a_steady_step_checks_no_slot_for_host_only_pages(monkeypatch):
     assert len(checked) == 2
 
 
+def test_step_inputs_are_rebuilt_exactly_when_what_they_derive_from_changes(
+        monkeypatch):
+    """P2, F22, F13: a steady batch (the same rows, query lengths and slots)
+    rebuilds no step input; a change of any of them (rows reordered, query
+    lengths, a region freed, a dummy run's reset) rebuilds them, and the
+    kernel inputs are right after each."""
+    from vllm.v1.hisparse.runtime import StepInputs
+
+    builds = []
+    real = StepInputs.host_views
+
+    def counted(self):
+        builds.append(1)
+        return real(self)
+
+    monkeypatch.setattr(StepInputs, "host_views", counted)
+    rig = WorkerRig()
+    rt = rig.rt
+    rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
+    rig.place(1, resident=[7, 8], host=[9, 10], hot=[30, 31])
+
+    def step(meta, scheduled=(1, 1)):
+        rig.batch.schedule(computed=[70, 70], scheduled=list(scheduled))
+        rig.run(meta, num_decodes=2, num_decode_tokens=sum(scheduled))
+        n = sum(scheduled)
+        return rt.row_req[:n].tolist(), rt.req_state[:2].tolist()
+
+    first = step(rig.meta(hot_regions_allocated=np.array([20, 30]),
+                          hot_region_requests=["r0", "r1"]))
+    s0, s1 = rt.slots.of_region(20), rt.slots.of_region(30)
+    assert first == ([0, 1], [s0, s1]) and len(builds) == 1
+    assert step(rig.meta()) == first and step(rig.meta()) == first
+    assert len(builds) == 1  # steady: nothing rebuilt
+    rig.batch.req_ids[:2] = ["r1", "r0"]  # the rows swapped requests
+    assert step(rig.meta()) == ([0, 1], [s1, s0]) and len(builds) == 2
+    rig.batch.req_ids[:2] = ["r0", "r1"]
+    assert step(rig.meta(), scheduled=(2, 1)) == ([0, 0, 1], [s0, s1])
+    assert len(builds) == 3
+    S = rt.resident_only_slot
+    assert step(rig.meta(hot_regions_freed=np.array([30]))) == ([0, 1], [s0, S])
+    assert len(builds) == 4
+    rt.before_dummy_run()
+    assert (rt.step_inputs.tensor == -1).all()  # what a dummy run's graph reads
+    assert step(rig.meta()) == ([0, 1], [s0, S]) and len(builds) == 5
+
+
 def test_the_runner_skips_exactly_the_virtual_groups():
     """P2 (runner hook in _build_attention_metadata): the groups without an
     attention module, the resident and hot ones, by id; not the source and

@@ -167,6 +167,9 @@ class Batch:
     def slot_mapping(self, group_id: int) -> torch.Tensor:
         return self.device_slots[group_id]
 
+    def query_start_loc(self) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(self.scheduled))).astype(np.int32)
+
     def req_rows(self) -> dict[str, int]:
         return {r: i for i, r in enumerate(self.req_ids) if r is not None}
 

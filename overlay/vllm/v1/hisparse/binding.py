@@ -86,6 +86,9 @@ class RunnerBatchState:
         scheduled = np.diff(self._runner.query_start_loc.np[: n + 1])
         return self._runner.input_batch.num_computed_tokens_cpu[:n] + scheduled
 
+    def query_start_loc(self) -> np.ndarray:
+        return self._runner.query_start_loc.np[: self.num_reqs() + 1]
+
     def req_rows(self) -> Mapping[str, int]:
         return self._runner.input_batch.req_id_to_index
 

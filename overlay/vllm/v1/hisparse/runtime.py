@@ -73,6 +73,11 @@ class BatchState(Protocol):
         tokens are computed (exact for prefill rows)."""
         ...
 
+    def query_start_loc(self) -> np.ndarray:
+        """int32 [num_reqs + 1]: each row's first token (the runner's host
+        buffer; read before it is rewritten for the next step)."""
+        ...
+
     def req_rows(self) -> Mapping[str, int]:
         """Request id -> its row in this step's batch."""
         ...
@@ -263,6 +268,10 @@ class StepInputs:
         self._cur = 0
         self._held = np.full(self.tensor.shape, -1, dtype=np.int32)
         """What the device tensor holds once the work issued so far ran."""
+        self.source: tuple[Any, ...] | None = None
+        """What the current host buffer (and so the tensor) was built from,
+        as the runtime keys it; None after a reset (P2: a steady batch
+        rebuilds nothing)."""
         self.copies = 0
 
     def host_views(self) -> tuple[np.ndarray, np.ndarray]:
@@ -273,6 +282,11 @@ class StepInputs:
             event.synchronize()  # deliberate: the copy of two steps ago
         row_req, req_state, buf = self._host_np[self._cur]
         buf.fill(-1)
+        return row_req, req_state
+
+    def current(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row_req, req_state) as last filled, unchanged."""
+        row_req, req_state, _ = self._host_np[self._cur]
         return row_req, req_state
 
     def send(self) -> None:
@@ -297,6 +311,7 @@ class StepInputs:
         every such run (``before_dummy_run``)."""
         self.tensor.fill_(-1)
         self._held.fill(-1)
+        self.source = None  # the next step rebuilds its host buffer
 
 
 @dataclass(frozen=True)
@@ -337,6 +352,8 @@ class SlotAllocator:
     free: list[int] = field(default_factory=list)
     of_request: dict[str, int] = field(default_factory=dict)
     request_of_region: dict[int, str] = field(default_factory=dict)
+    version: int = 0
+    """Bumped by every assign and release (what a batch's slots derive from)."""
 
     def __post_init__(self) -> None:
         self.free = list(range(self.num_slots - 1, -1, -1))
@@ -357,6 +374,7 @@ class SlotAllocator:
                 "are live"
             )
         slot = self.free.pop()
+        self.version += 1
         self.of_request[request_id] = slot
         self.request_of_region[region] = request_id
         return slot
@@ -366,6 +384,7 @@ class SlotAllocator:
         if request_id is None:
             return None
         slot = self.of_request.pop(request_id)
+        self.version += 1
         self.free.append(slot)
         return slot
 
@@ -542,18 +561,35 @@ class HiSparseRuntime:
         ``decode_split``: the forward's (num_decodes, num_decode_tokens),
         which the drafter's pass 0 must repeat (``begin_draft_pass``) for
         the real batch: a FULL graph pads a uniform decode batch with
-        requests the drafter never sees (its metadata is unpadded)."""
+        requests the drafter never sees (its metadata is unpadded).
+
+        Both derive from the rows' query lengths, the request of each row
+        and the slot of each request, and nothing else: a step whose three
+        equal the last build's (a steady decode batch) rebuilds nothing
+        (P2; docs/worker.md K42)."""
         num_reqs = self.num_reqs = self.tables.num_reqs()
         num_tokens = self.num_tokens = self.tables.num_tokens()
         if decode_split is not None:
             decodes, decode_tokens = decode_split
             decode_split = (min(decodes, num_reqs), min(decode_tokens, num_tokens))
         self.decode_split, self.draft_passes = decode_split, 0
-        row_req, req_state = self.step_inputs.host_views()
-        row_req[:num_tokens] = self.tables.token_rows()[:num_tokens]
-        self._request_slots(req_state[:num_reqs])
-        self.step_inputs.send()
-        self._note_slots_that_may_miss(req_state[:num_reqs])
+        inputs = self.step_inputs
+        qsl = self.tables.query_start_loc()[: num_reqs + 1]
+        rows = self.tables.req_rows()
+        source = inputs.source
+        if (
+            source is None
+            or source[0] != self.slots.version
+            or not np.array_equal(source[1], qsl)
+            or source[2] != rows
+        ):
+            row_req, req_state = inputs.host_views()
+            row_req[:num_tokens] = self.tables.token_rows()[:num_tokens]
+            self._request_slots(req_state[:num_reqs], rows)
+            inputs.send()
+            # Everything both arrays are built from (F22: slots by request).
+            inputs.source = (self.slots.version, qsl.copy(), dict(rows))
+        self._note_slots_that_may_miss(inputs.current()[1][:num_reqs])
         self.step_active = True
 
     def _note_slots_that_may_miss(self, state: np.ndarray) -> None:
@@ -570,13 +606,12 @@ class HiSparseRuntime:
         backed = host_backed_rows(resident, rows, seq, self.block_size)
         self.slots_with_entries.update(int(s) for s in state[backed])
 
-    def _request_slots(self, state: np.ndarray) -> None:
+    def _request_slots(self, state: np.ndarray, rows: Mapping[str, int]) -> None:
         """Each row's request-state slot into ``state`` (int32 [num_reqs]),
         from the slots the worker gave to requests (F22), never from
         block-table rows: O(live hot regions)."""
         state.fill(self.resident_only_slot)
         if self.slots.of_request:
-            rows = self.tables.req_rows()
             num_reqs = state.shape[0]
             for request_id, slot in self.slots.of_request.items():
                 row = rows.get(request_id)

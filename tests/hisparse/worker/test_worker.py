@@ -754,6 +754,43 @@ def test_a_steady_step_checks_no_slot_for_host_only_pages(monkeypatch):
     assert len(checked) == 2
 
 
+def test_a_slot_assigned_outside_the_batch_is_checked_when_its_request_runs(
+        monkeypatch):
+    """P2, INV-41: a steady step skips the slot check only while no slot is
+    left unchecked; a region given to a request that is not in this step's
+    batch stays unchecked (and the skip off) until that request runs, and
+    its host-only page then puts its slot among those K4 resets."""
+    from vllm.v1.hisparse import runtime as runtime_module
+
+    checked = []
+    real = runtime_module.host_backed_rows
+
+    def counted(table, rows, *args):
+        checked.append(rows.tolist())
+        return real(table, rows, *args)
+
+    monkeypatch.setattr(runtime_module, "host_backed_rows", counted)
+    rig = WorkerRig()
+    rt = rig.rt
+    rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
+    rig.place(1, resident=[0, 8], host=[9, 10], hot=[30, 31])  # r1: page 0 on host
+
+    def step(meta, rows):
+        rig.batch.schedule(computed=[70] * rows, scheduled=[1] * rows)
+        rig.run(meta, num_decodes=rows, num_decode_tokens=rows)
+
+    step(rig.meta(hot_regions_allocated=np.array([20, 30]),
+                  hot_region_requests=["r0", "r1"]), rows=1)
+    assert checked == [[0]] and not rt.slots_with_entries
+    step(rig.meta(), rows=1)
+    assert checked == [[0]]  # r0 checked once; r1 not in the batch yet
+    step(rig.meta(), rows=2)
+    assert checked == [[0], [1]]
+    assert rt.slots_with_entries == {rt.slots.of_region(30)}
+    step(rig.meta(), rows=2)
+    assert len(checked) == 2  # all checked: steady again
+
+
 def test_step_inputs_are_rebuilt_exactly_when_what_they_derive_from_changes(
         monkeypatch):
     """P2, F22, F13: a steady batch (the same rows, query lengths and slots)

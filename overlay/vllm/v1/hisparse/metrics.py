@@ -31,6 +31,7 @@ not grow with TP); every rank reports its own H2D bytes (each copies them).
 """
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -351,34 +352,47 @@ _SCHEDULER_COUNTERS: tuple[tuple[str, str], ...] = (
 
 
 class SchedulerMetrics:
-    """The scheduler's share of C12, reported every step (6.5).
+    """The scheduler's share of C12, reported every step something moved (6.5).
 
     Counters are deltas of the coordinator's ``HiSparseSchedulerStats``
     since the previous report; the gauges are levels: pending spills
     (``len(pending_spills)``, planned and in flight) and the host pool's
     occupancy. Used host blocks exclude free ones, and the pool's free queue
-    holds the evictable prefix-cached blocks too, so those count as free."""
+    holds the evictable prefix-cached blocks too, so those count as free.
+
+    A step on which no counter and no level moved reports nothing (P2: a
+    steady decode step builds no report, and vLLM merges none): deltas of
+    zero add nothing and the levels stand where the last report left them,
+    which is what a Prometheus gauge keeps anyway."""
 
     def __init__(self, coordinator: "HiSparseCoordinator", host_block_bytes: int) -> None:
         self.coordinator = coordinator
         self.host_block_bytes = host_block_bytes
-        self._last = dict.fromkeys((name for name, _ in _SCHEDULER_COUNTERS), 0)
+        self._read_counters = attrgetter(*(attr for _, attr in _SCHEDULER_COUNTERS))
+        self._last: tuple[int, ...] = (0,) * len(_SCHEDULER_COUNTERS)
+        self._last_levels: tuple[int, int] | None = None
+        """(pending spills, free host blocks) at the last report; None
+        before the first, which always reports (the levels at startup)."""
 
-    def collect(self) -> MetricsReport:
+    def collect(self) -> MetricsReport | None:
         co = self.coordinator
-        stats = co.stats
-        counters = {}
-        for name, attr in _SCHEDULER_COUNTERS:
-            value = getattr(stats, attr)
-            counters[name] = value - self._last[name]
-            self._last[name] = value
+        values = self._read_counters(co.stats)
         pool = co.host_pool
+        levels = (len(co.pending_spills), pool.get_num_free_blocks())
+        if values == self._last and levels == self._last_levels:
+            return None
+        counters = {
+            name: value - last
+            for (name, _), value, last in zip(_SCHEDULER_COUNTERS, values, self._last)
+        }
+        self._last, self._last_levels = values, levels
+        pending, free = levels
         total = pool.num_gpu_blocks - 1  # block 0 is the null block
-        used = total - pool.get_num_free_blocks()
+        used = total - free
         return MetricsReport(
             counters=counters,
             gauges={
-                PENDING_SPILLS: len(co.pending_spills),
+                PENDING_SPILLS: pending,
                 HOST_BLOCKS_USED: used,
                 HOST_BLOCKS_TOTAL: total,
                 HOST_POOL_USED_BYTES: used * self.host_block_bytes,

@@ -477,6 +477,9 @@ class HiSparseRuntime:
         resident, new and resumed requests get a new region); cleared when
         checked. Row S (no region) stays False (P2: a steady step checks
         no row)."""
+        self._maybe_unchecked = False
+        """Some entry of ``_slot_unchecked`` may be True (P2: a steady step
+        does not even index it)."""
         self.decode_split: tuple[int, int] | None = None
         """The target forward's (num_decodes, num_decode_tokens) this step."""
         self.draft_passes = 0
@@ -537,11 +540,13 @@ class HiSparseRuntime:
             self.reset_slots(self._index(np.asarray(slots, dtype=np.int64)))
             self.slots_with_entries.difference_update(slots)
             self._slot_unchecked[slots] = True
+            self._maybe_unchecked = True
 
     def note_residency_updates(self) -> None:
         """Residency updates rewrote resident table rows this step (lost or
         adopted pages): every slot's request is checked again."""
         self._slot_unchecked[: self.resident_only_slot] = True
+        self._maybe_unchecked = True
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Every slot's dgi row to -1 and lru row to 0..H-1 (4.8 step 1)."""
@@ -574,13 +579,15 @@ class HiSparseRuntime:
             decode_split = (min(decodes, num_reqs), min(decode_tokens, num_tokens))
         self.decode_split, self.draft_passes = decode_split, 0
         inputs = self.step_inputs
-        qsl = self.tables.query_start_loc()[: num_reqs + 1]
+        # The query lengths as bytes: an exact compare without numpy's
+        # per-call overhead (the key is small: num_reqs + 1 int32).
+        qsl = self.tables.query_start_loc()[: num_reqs + 1].tobytes()
         rows = self.tables.req_rows()
         source = inputs.source
         if (
             source is None
             or source[0] != self.slots.version
-            or not np.array_equal(source[1], qsl)
+            or source[1] != qsl
             or source[2] != rows
         ):
             row_req, req_state = inputs.host_views()
@@ -588,7 +595,7 @@ class HiSparseRuntime:
             self._request_slots(req_state[:num_reqs], rows)
             inputs.send()
             # Everything both arrays are built from (F22: slots by request).
-            inputs.source = (self.slots.version, qsl.copy(), dict(rows))
+            inputs.source = (self.slots.version, qsl, dict(rows))
         self._note_slots_that_may_miss(inputs.current()[1][:num_reqs])
         self.step_active = True
 
@@ -597,14 +604,17 @@ class HiSparseRuntime:
         page join ``slots_with_entries`` (before the forward whose resolver
         may fill them). Only unchecked slots are looked at: O(rows whose
         slot was assigned or whose residency changed)."""
-        rows = np.nonzero(self._slot_unchecked[state])[0]
-        if rows.size == 0:
+        if not self._maybe_unchecked:
             return
-        self._slot_unchecked[state[rows]] = False
-        seq = np.asarray(self.tables.seq_lens_cpu()[rows], dtype=np.int64)
-        resident = self.tables.host(self.resident_group_ids[0])
-        backed = host_backed_rows(resident, rows, seq, self.block_size)
-        self.slots_with_entries.update(int(s) for s in state[backed])
+        rows = np.nonzero(self._slot_unchecked[state])[0]
+        if rows.size:
+            self._slot_unchecked[state[rows]] = False
+            seq = np.asarray(self.tables.seq_lens_cpu()[rows], dtype=np.int64)
+            resident = self.tables.host(self.resident_group_ids[0])
+            backed = host_backed_rows(resident, rows, seq, self.block_size)
+            self.slots_with_entries.update(int(s) for s in state[backed])
+        # Slots of requests outside this batch stay unchecked.
+        self._maybe_unchecked = bool(self._slot_unchecked.any())
 
     def _request_slots(self, state: np.ndarray, rows: Mapping[str, int]) -> None:
         """Each row's request-state slot into ``state`` (int32 [num_reqs]),

@@ -37,3 +37,18 @@ def test_admission_times_full_prefix_hits_in_both_arms(tmp_path):
     assert stats["pages_adopted"] >= 2 * 4 * (4096 // 64 - 1)
     assert stats["lost_pages"] == 0 and stats["staging_deferrals"] == 0
     assert adm["ratio_on_off"] > 0 and "stats" not in adm["arms"]["off"]
+
+
+def test_an_arm_whose_pool_cannot_hold_its_requests_exits_with_why(tmp_path):
+    """One request of 1000 tokens: on-hybrid's pool (the request's pages +
+    30 blocks, shared by every resident and hot group) cannot hold its
+    prompt, the pool a real engine's startup check refuses; the tool says
+    so instead of stepping an idle scheduler forever."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench-scheduler"), "--requests", "1",
+         "--steps", "2", "--prompt", "1000", "--admit", "0",
+         "--json", str(tmp_path / "sched.json")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "arm on-hybrid: 0 of 1 requests prefilled" in proc.stderr, proc.stderr[-2000:]
+    assert "cannot hold them" in proc.stderr

@@ -99,10 +99,10 @@ def totals(stats: list[SchedulerStats]) -> tuple[HiSparseConnectorStats, dict]:
     """The interval's aggregate, and each gauge's maximum over the run."""
     total = HiSparseConnectorStats()
     peak: dict[str, float] = {}
-    for st in stats:
-        if not hisparse_data(st):
-            continue
-        one = HiSparseConnectorStats(data=hisparse_data(st))
+    for data in map(hisparse_data, stats):
+        if not data:
+            continue  # nothing moved that step (P2)
+        one = HiSparseConnectorStats(data=data)
         for name, value in one.data[m.GAUGE].items():
             peak[name] = max(peak.get(name, value), value)
         total.aggregate(one)

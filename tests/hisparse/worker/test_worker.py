@@ -714,22 +714,29 @@ def test_no_invalidation_while_no_slot_can_hold_an_entry():
     assert not rt.slots_with_entries and len(calls) == 2 * len(rt.groups)
 
 
-def test_a_steady_step_checks_no_slot_for_host_only_pages(monkeypatch):
+@pytest.fixture
+def checked(monkeypatch) -> list[list[int]]:
+    """The batch rows of every host-only-page check the runtime makes
+    (``host_backed_rows``, the real one still answers)."""
+    from vllm.v1.hisparse import runtime as runtime_module
+
+    calls: list[list[int]] = []
+    real = runtime_module.host_backed_rows
+
+    def counted(table, rows, *args):
+        calls.append(rows.tolist())
+        return real(table, rows, *args)
+
+    monkeypatch.setattr(runtime_module, "host_backed_rows", counted)
+    return calls
+
+
+def test_a_steady_step_checks_no_slot_for_host_only_pages(checked):
     """P2, INV-41: whether a slot's request has a host-only context page is
     checked when its region is assigned, and again only after residency
     updates (the one way a live request's row gains a null entry: new pages
     are resident, new and resumed requests get a new region). A steady
     decode step checks no row."""
-    from vllm.v1.hisparse import runtime as runtime_module
-
-    checked = []
-    real = runtime_module.host_backed_rows
-
-    def counted(table, rows, *args):
-        checked.append(rows.tolist())
-        return real(table, rows, *args)
-
-    monkeypatch.setattr(runtime_module, "host_backed_rows", counted)
     rig = WorkerRig()
     rt = rig.rt
     rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])
@@ -755,21 +762,11 @@ def test_a_steady_step_checks_no_slot_for_host_only_pages(monkeypatch):
 
 
 def test_a_slot_assigned_outside_the_batch_is_checked_when_its_request_runs(
-        monkeypatch):
+        checked):
     """P2, INV-41: a steady step skips the slot check only while no slot is
     left unchecked; a region given to a request that is not in this step's
     batch stays unchecked (and the skip off) until that request runs, and
     its host-only page then puts its slot among those K4 resets."""
-    from vllm.v1.hisparse import runtime as runtime_module
-
-    checked = []
-    real = runtime_module.host_backed_rows
-
-    def counted(table, rows, *args):
-        checked.append(rows.tolist())
-        return real(table, rows, *args)
-
-    monkeypatch.setattr(runtime_module, "host_backed_rows", counted)
     rig = WorkerRig()
     rt = rig.rt
     rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])

@@ -217,9 +217,10 @@ class HiSparseConnector(ResidencyClient, KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> HiSparseConnectorStats | None:
         """Scheduler side: the coordinator's counters (deltas) and gauges,
-        on every step where one moved (else None: P2). Worker side: the resolver's device counters when a copy
-        issued on an earlier step has landed (event query, no host sync),
-        else None. None when HiSparse is not bound."""
+        on every step where one moved (else None: P2). Worker side: the
+        resolver's device counters when a copy issued on an earlier step has
+        landed (event query, no host sync), else None. None when HiSparse is
+        not bound."""
         if self._sampler is not None:
             report = self._sampler.sample()
         elif self._scheduler_metrics is not None:

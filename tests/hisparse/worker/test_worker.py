@@ -228,7 +228,8 @@ def test_host_write_events_alternate_and_compute_waits_on_the_previous():
     step's host-write event when that step wrote host memory from the DMA
     stream (a prefill's mirrors); the two events alternate. A step whose
     host writes all ran on the compute stream (a pure decode, mirrored in
-    the forward) needs no wait: the next step's compute follows it (P2)."""
+    the forward) needs no wait: the next step's compute follows it, and
+    with a private pool it records no event either (P2)."""
     rig = WorkerRig()
     rig.place(0, resident=[3], host=[5])
     log = rig.worker.streams.log
@@ -240,12 +241,30 @@ def test_host_write_events_alternate_and_compute_waits_on_the_previous():
         kinds.append([e for e in log[start:] if e[0] in ("wait", "record")
                       and e[-1] != "forward_ready" and e[1] != "forward_ready"])
     records = [e[1] for e in log if e[0] == "record" and e[1].startswith("host")]
-    assert records == ["host_write1", "host_write0", "host_write1", "host_write0",
-                       "host_write1"]
+    assert records == ["host_write1", "host_write0"]
     streams = [[e[2] for e in k if e[0] == "record"] for k in kinds]
-    assert streams == [["dma"], ["compute"], ["compute"], ["dma"], ["compute"]]
+    assert streams == [["dma"], [], [], ["dma"], []]
     waits = [[e[2] for e in k if e[0] == "wait" and e[1] == "compute"] for k in kinds]
     assert waits == [[], ["host_write1"], [], [], ["host_write0"]]
+
+
+def test_a_cpu_wait_after_a_compute_only_step_records_on_compute_first():
+    """INV-27, F16: a step whose host writes all ran on the compute stream
+    records no event (P2), so a CPU wait for them (CoW, the audit, a P/D
+    import) records the deferred one on the compute stream, then waits on
+    it; a second wait in the same step records nothing more."""
+    rig = WorkerRig()
+    rig.place(0, resident=[3], host=[5])
+    rig.batch.schedule(computed=[0], scheduled=[1])
+    rig.run(rig.meta(), num_decodes=1, num_decode_tokens=1)
+    log = rig.worker.streams.log
+    rig.worker.start_step(rig.meta(), None)
+    start = len(log)
+    rig.worker.host_write.synchronize_previous()
+    rig.worker.host_write.synchronize_previous()
+    assert log[start:] == [("record", "host_write1", "compute"),
+                           ("synchronize", "host_write1"),
+                           ("synchronize", "host_write1")]
 
 
 def test_copy_on_write_synchronizes_then_copies_every_layer():

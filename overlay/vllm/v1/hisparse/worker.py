@@ -179,6 +179,10 @@ class HostWriteEvents:
         self._on_compute = [False, False]
         """Recorded on the compute stream: the next step's compute follows
         it in stream order, so ``rotate`` issues no wait for it (P2)."""
+        self._deferred = [False, False]
+        """A compute-stream record not yet made: without readers in other
+        processes only a CPU wait needs the event, and it records one then
+        (P2: a steady decode step records none)."""
         self._cur = 0
         self._step = 0
         self._previous_step = 0
@@ -192,7 +196,7 @@ class HostWriteEvents:
         the compute stream waits on it."""
         prev = self._cur
         self._cur ^= 1
-        self._recorded[self._cur] = False
+        self._recorded[self._cur] = self._deferred[self._cur] = False
         self._previous_step, self._step = self._step, step
         if self._recorded[prev] and not self._on_compute[prev]:
             self._streams.wait(self._streams.compute(), self._events[prev])
@@ -202,7 +206,12 @@ class HostWriteEvents:
         self._record(stream, on_compute=False)
 
     def record_on_compute(self) -> None:
-        """This step's host writes were all issued on the compute stream."""
+        """This step's host writes were all issued on the compute stream.
+        Private pool: nothing is recorded until ``synchronize_previous``
+        needs it (the next step's compute follows in stream order)."""
+        if self._link is None:
+            self._on_compute[self._cur] = self._deferred[self._cur] = True
+            return
         self._record(self._streams.compute(), on_compute=True)
 
     def _record(self, stream: Any, on_compute: bool) -> None:
@@ -218,6 +227,12 @@ class HostWriteEvents:
         """Before a CPU write of host memory (CoW) or a CPU read of it (the
         debug audit): wait for every host write of the previous step."""
         prev = self._cur ^ 1
+        if self._deferred[prev]:
+            # The previous step's writes are all enqueued on the compute
+            # stream by now: its current position covers them (and waits
+            # for a little more; the wait is deliberate and rare).
+            self._streams.record(self._events[prev], self._streams.compute())
+            self._recorded[prev], self._deferred[prev] = True, False
         if self._recorded[prev]:
             self._streams.synchronize(self._events[prev])
 

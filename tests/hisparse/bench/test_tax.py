@@ -85,7 +85,7 @@ def test_compilation_extra_reaches_only_its_arms():
     assert tax.llm_kwargs(c, "u_off", "default", 4, "/m")["compilation_config"] == {"mode": 0}
 
 
-@pytest.mark.parametrize("arm", ["off", "on", "on_offload", "on_lazy", "on_step"])
+@pytest.mark.parametrize("arm", ["off", "on", "on_offload", "off_offload", "on_lazy", "on_step"])
 @pytest.mark.parametrize("mode", ["default", "fdo"])
 def test_vllm_accepts_our_engine_arguments(arm, mode, tmp_path):
     """vLLM's own EngineArgs -> VllmConfig on the CPU platform: the keys,
@@ -108,14 +108,15 @@ def test_vllm_accepts_our_engine_arguments(arm, mode, tmp_path):
     vc = EngineArgs(**kw).create_engine_config()
     assert vc.attention_config.sparse_mla_force_mqa is True  # same prefill path everywhere
     hs = vc.attention_config.hisparse_config
-    assert (hs is not None) == (arm != "off")
+    assert (hs is not None) == (arm not in ("off", "off_offload"))
     if hs is not None:
         assert hs.admission_max_tokens == vc.model_config.max_model_len
         assert hs.eager_host_mirror == (arm != "on_lazy")
         assert hs.order_misses == ("step" if arm == "on_step" else None)
     connector = vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None
     assert connector == {"off": None, "on": "HiSparseConnector", "on_lazy": "HiSparseConnector",
-                         "on_step": "HiSparseConnector", "on_offload": "MultiConnector"}[arm]
+                         "on_step": "HiSparseConnector", "on_offload": "MultiConnector",
+                         "off_offload": "OffloadingConnector"}[arm]
     assert vc.cache_config.kv_cache_memory_bytes == kw["kv_cache_memory_bytes"]
 
 
@@ -279,6 +280,24 @@ def test_evaluate_p2_uses_the_tiny_model_and_p6_batch16():
         2.1 / 2.05, abs=1e-4)
     assert v["offload_adds_nothing"]["pass"] is True
     assert v["P8_tax"]["pass"] is None
+
+
+def test_offload_verdict_sets_the_connector_beside_hisparse_against_it_alone():
+    """issue 16 item 1 ("the OffloadingConnector beside it adds nothing"):
+    on_offload/on is the verdict; off_offload/off, where measured, is the
+    connector's own cost without HiSparse, and their quotient what the
+    composition adds."""
+    step = {"off": {("fdo", 4, 1): 2.0}, "on": {("fdo", 4, 1): 2.2},
+            "on_offload": {("fdo", 4, 1): 2.42}, "off_offload": {("fdo", 4, 1): 2.2}}
+    v = tax.evaluate(tax.summarize(samples(step)))["offload_adds_nothing"]
+    cell = v["measured"]["fdo/batch1"]
+    assert v["pass"] is False and cell["ratio"] == pytest.approx(1.1, abs=1e-3)
+    assert cell["alone"] == pytest.approx(1.1, abs=1e-3)
+    assert cell["composition"] == pytest.approx(1.0, abs=1e-3)
+    del step["off_offload"]
+    cell = tax.evaluate(tax.summarize(samples(step)))["offload_adds_nothing"]["measured"][
+        "fdo/batch1"]
+    assert "alone" not in cell and "composition" not in cell
 
 
 def test_p8_tax_from_merged_runs():

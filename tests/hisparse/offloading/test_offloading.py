@@ -369,6 +369,37 @@ def test_the_scheduler_output_view_is_a_copy(rig):
     assert view.num_scheduled_tokens is so.num_scheduled_tokens
 
 
+def test_the_view_filters_cached_requests_new_blocks_and_never_the_original(rig):
+    """Issue 16 (the composed offloader adds nothing avoidable): a decode
+    step whose requests got no new block shares their data unfiltered (no
+    group to drop); one where a request crosses a page boundary gets a
+    filtered copy, the scheduler's own output untouched (INV-31: the
+    offloader sees only its groups)."""
+    r = rig()
+    r.scheduler.add_request(make_request("x", prompt(B - 2, 1), 8))
+    groups = OffloadableGroups.from_layout(r.coord.layout)
+    crossed = quiet = 0
+    for _ in range(6):
+        so = r.step()
+        cached = so.scheduled_cached_reqs
+        if not cached.req_ids:
+            continue
+        view = scheduler_output_view(so, groups)
+        (ids,) = cached.new_block_ids
+        if ids is None:
+            quiet += 1
+            assert view.scheduled_cached_reqs is cached
+        else:
+            crossed += 1
+            (seen,) = view.scheduled_cached_reqs.new_block_ids
+            assert len(ids) == len(r.coord.layout.kv_cache_groups)
+            assert seen == groups.select(ids)
+            assert cached.new_block_ids == [ids]  # the original keeps all groups
+        assert view.scheduled_cached_reqs.req_ids is cached.req_ids
+        assert view is not so and view.num_scheduled_tokens is so.num_scheduled_tokens
+    assert crossed and quiet
+
+
 def test_events_carry_the_real_group_id(rig):
     """Offload events are emitted with the view's group index; the
     connector maps it back (the indexer is group 1, not 0)."""

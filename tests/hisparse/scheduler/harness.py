@@ -94,6 +94,7 @@ from vllm.v1.hisparse.specs import kv_cache_specs_from_hf_config
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheTensor,
     UniformTypeKVCacheSpecs,
 )
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
@@ -180,15 +181,22 @@ def hisparse_kv_cache_config(
 
 
 def baseline_kv_cache_config(*, num_gpu_blocks: int, num_layers: int = 4,
-                             index_topk: int = 64, freq: int = 1) -> KVCacheConfig:
+                             index_topk: int = 64, freq: int = 1,
+                             with_tensors: bool = False) -> KVCacheConfig:
     """The same model without HiSparse: the pin's single uniform group of
-    sparse-MLA and indexer layers (what get_kv_cache_groups returns)."""
+    sparse-MLA and indexer layers (what get_kv_cache_groups returns).
+    ``with_tensors``: one tensor per layer, as the worker allocates them
+    (what a connector sizes its own cache by)."""
     specs = tiny_glm_specs(num_layers, index_topk, freq)
     uniform = UniformTypeKVCacheSpecs.from_specs(specs)
     assert uniform is not None
+    tensors = [
+        KVCacheTensor(size=spec.page_size_bytes * num_gpu_blocks, shared_by=[name])
+        for name, spec in specs.items()
+    ] if with_tensors else []
     worker = KVCacheConfig(
         num_blocks=num_gpu_blocks,
-        kv_cache_tensors=[],
+        kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(list(specs), uniform)],
     )
     return generate_scheduler_kv_cache_config([worker])

@@ -52,3 +52,40 @@ def test_an_arm_whose_pool_cannot_hold_its_requests_exits_with_why(tmp_path):
     assert proc.returncode != 0
     assert "arm on-hybrid: 0 of 1 requests prefilled" in proc.stderr, proc.stderr[-2000:]
     assert "cannot hold them" in proc.stderr
+
+
+def test_offload_arms_price_the_offloader_alone_and_beside_hisparse(tmp_path):
+    """Issue 16 ("the OffloadingConnector composed beside it adds nothing
+    when nothing is offloaded"), scheduler side: off-offload runs the pin's
+    OffloadingConnector, on-offload the composed MultiConnector; both
+    stored their prompts during the prefill and nothing while the timed
+    steps decode (the pin offloads prompts only), and the report splits
+    the offloader's own cost from the composition's."""
+    out = tmp_path / "sched.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench-scheduler"), "--requests", "2",
+         "--steps", "3", "--prompt", "200", "--admit", "0",
+         "--arms", "off,on,off-offload,on-offload", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["arms"] == ["off", "on", "off-offload", "on-offload"]
+    (run,) = report["runs"]
+    arms = {a["arm"]: a for a in run["arms"]}
+    assert list(arms) == report["arms"]
+    for name in ("off-offload", "on-offload"):
+        # one store job per request for its three full prompt pages
+        assert arms[name]["offloader_stores"] == {"prefill": 2, "timed": 0}, arms[name]
+    assert "offloader_stores" not in arms["on"]
+    cost = run["offload"]
+    median = {name: a["median_step_us"] for name, a in arms.items()}
+    assert cost["alone_us"] == median["off-offload"] - median["off"]
+    assert cost["composition_us"] == (
+        cost["beside_hisparse_us"] - cost["alone_us"])
+
+
+def test_arms_must_start_with_off():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench-scheduler"), "--arms", "on,off"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--arms: off first" in proc.stderr

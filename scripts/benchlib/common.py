@@ -136,6 +136,19 @@ def has_gpu() -> bool:
         return False
 
 
+def gpu_memory_gib() -> float | None:
+    """The smallest GPU's total memory in GiB (nvidia-smi), None where it
+    cannot be read."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20)
+        mib = [float(v) for v in out.stdout.split()] if out.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    return min(mib) / 1024 if mib else None
+
+
 def prepend_path(env: dict, var: str, *paths: str | Path) -> None:
     parts = [str(p) for p in paths] + [p for p in env.get(var, "").split(os.pathsep) if p]
     seen, out = set(), []

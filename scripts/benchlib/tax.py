@@ -112,6 +112,11 @@ class TaxConfig:
     seed: int = 0
     index_topk_freq: int = 1  # >1: IndexShare (layers share a top-k in groups)
     rotate_cores: bool = True  # rotated_sets: every arm visits every core set
+    start: str = "auto"
+    """Engine starts: ``together`` (every engine side by side, the run's
+    whole length), ``by-group`` (each (mode, layers) group's engines only
+    while it is measured) or ``auto`` (together where they fit the GPU's
+    memory, ``start_plan``)."""
 
     def validate(self) -> None:
         if self.index_topk_freq < 1:
@@ -138,6 +143,8 @@ class TaxConfig:
             raise ValueError(f"--weights must be seeded or dummy, not {self.weights}")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1)")
+        if self.start not in STARTS:
+            raise ValueError(f"--start must be one of {', '.join(STARTS)}, not {self.start}")
         if self.profile and not set(self.profile_batches) <= set(self.batches):
             raise ValueError(f"--profile-batches {self.profile_batches} must be among "
                              f"--batches {self.batches}")
@@ -234,8 +241,32 @@ def groups(cfg: TaxConfig) -> list[tuple[str, int]]:
     return [(md, L) for L in cfg.layers for md in cfg.modes]
 
 
-def engines(cfg: TaxConfig) -> list[tuple[str, int, str]]:
-    return [(md, L, arm) for md, L in groups(cfg) for arm in cfg.arms]
+def engines(cfg: TaxConfig, among: Sequence[tuple[str, int]] | None = None
+            ) -> list[tuple[str, int, str]]:
+    """(mode, layers, arm) of every engine, or of the groups ``among``."""
+    return [(md, L, arm) for md, L in (groups(cfg) if among is None else among)
+            for arm in cfg.arms]
+
+
+STARTS = ("auto", "together", "by-group")
+
+ENGINE_GPU_GIB = 9.5
+"""GPU memory one engine may hold at its peak (weights, KV pool, graphs,
+the profile's buffers): run 13 (H100, 80 GB) saw 5.1-9.3 GiB per engine
+and ten engines (five arms, two modes) did not fit; the H200's 141 GB had
+held them (run 12)."""
+
+
+def start_plan(cfg: TaxConfig, gpu_gib: float | None) -> list[list[tuple[str, int]]]:
+    """The groups whose engines start together, in run order: all at once
+    when ``cfg.start`` says so or when they fit ``gpu_gib`` (unknown: they
+    are assumed to fit), else one group at a time. A group's own engines
+    always start together: its arms alternate sample by sample."""
+    every = groups(cfg)
+    fits = gpu_gib is None or len(engines(cfg)) * ENGINE_GPU_GIB <= gpu_gib
+    if cfg.start == "together" or (cfg.start == "auto" and fits):
+        return [every]
+    return [[g] for g in every]
 
 
 # ------------------------------------------------------------ estimate
@@ -265,11 +296,15 @@ def cpu_sets(cpus: Sequence[int], engines: int) -> list[list[int]]:
     return [cpus[i * per:(i + 1) * per] for i in range(engines)]
 
 
-def estimate_s(cfg: TaxConfig) -> dict:
-    """Seconds: engine starts (all at once, compile-bound), then every
-    group's warm-ups, samples and profiles in turn."""
-    n_eng = len(engines(cfg))
-    init = 60 + 20 * math.ceil(n_eng / 4) + 2.5 * max(cfg.layers)
+def estimate_s(cfg: TaxConfig, plan: Sequence[Sequence[tuple[str, int]]] | None = None
+               ) -> dict:
+    """Seconds: engine starts (each start of ``plan``, default all at once;
+    compile-bound), then every group's warm-ups, samples and profiles in
+    turn."""
+    init = 0.0
+    for among in plan or [groups(cfg)]:
+        n_eng = len(engines(cfg, among))
+        init += 60 + 20 * math.ceil(n_eng / 4) + 2.5 * max(L for _, L in among)
     measure = 0.0
     for _, L in groups(cfg):
         for b in cfg.batches:

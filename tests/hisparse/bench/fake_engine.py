@@ -37,6 +37,13 @@ def step_ms(spec: dict, batch: int) -> float:
     return ms
 
 
+def _lifecycle(key: str, what: str) -> None:
+    """Engine starts and stops, in order, to FAKE_ENGINE_STARTS."""
+    if os.environ.get("FAKE_ENGINE_STARTS"):
+        with open(os.environ["FAKE_ENGINE_STARTS"], "a") as f:
+            f.write(f"{key} {what}\n")
+
+
 def main() -> int:
     spec = json.loads(sys.stdin.readline())
     key = spec["key"]
@@ -46,6 +53,7 @@ def main() -> int:
         out.write(json.dumps({"ok": False, "error": "Traceback...\nRuntimeError: no GPU"}) + "\n")
         out.flush()
         return 1
+    _lifecycle(key, "start")
     out.write(json.dumps({"ok": True, "init_s": 0.1, "versions": {"vllm": "fake", "torch": "x"},
                           "defaults": {"cudagraph_mode": "fake"}}) + "\n")
     out.flush()
@@ -114,6 +122,7 @@ def main() -> int:
             reply = {"misses": misses, "lost_pages": 0, "hot_regions_assigned": 0} \
                 if hisparse and spec["vllm"] == "ours" else {}
         elif op == "shutdown":
+            _lifecycle(key, "stop")
             out.write(json.dumps({"ok": True}) + "\n")
             out.flush()
             return 0

@@ -893,3 +893,27 @@ def test_the_device_fit_splits_what_scales_with_layers():
     one = {k: v for k, v in profiles.items() if "/L8/" in k}
     assert tax.device_fits(one) == {}
     assert tax.evaluate({}, one)["P2_split_device"]["pass"] is None
+
+
+def test_start_plan_keeps_engines_together_only_where_they_fit():
+    """Issue 16 run 13: five arms x two modes = ten engines did not fit an
+    80 GB H100 (~9.3 GiB each at peak); auto starts them one (mode, layers)
+    group at a time there, together where they fit or the size is unknown."""
+    cfg = tax.TaxConfig(arms=["off", "off_b", "on", "on_offload", "off_offload"],
+                        modes=["default", "fdo"])
+    both = [("default", 4), ("fdo", 4)]
+    assert tax.start_plan(cfg, 139.8) == [both]
+    assert tax.start_plan(cfg, None) == [both]
+    assert tax.start_plan(cfg, 79.2) == [[("default", 4)], [("fdo", 4)]]
+    cfg.start = "together"
+    assert tax.start_plan(cfg, 79.2) == [both]
+    cfg.start = "by-group"
+    assert tax.start_plan(cfg, 139.8) == [[("default", 4)], [("fdo", 4)]]
+    # one start per group: the estimate pays each group's engine start
+    by_group = tax.estimate_s(cfg, tax.start_plan(cfg, None))
+    together = tax.estimate_s(cfg)
+    assert by_group["engine_starts_s"] > together["engine_starts_s"]
+    assert by_group["measure_s"] == together["measure_s"]
+    cfg.start = "sometimes"
+    with pytest.raises(ValueError, match="--start must be one of"):
+        cfg.validate()

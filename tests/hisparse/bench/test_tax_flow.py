@@ -232,3 +232,51 @@ def test_without_a_step_clock_the_totals_are_the_estimator(tax_cmd):
     rc, rep, _ = tax_cmd("--arms", "off,on", "--modes", "fdo", "--batches", "16", "--reps", "2")
     cell = rep["summary"]["fdo"]["4"]["16"]
     assert rc == 0 and cell["estimator"] == "ms_per_step" and "totals" not in cell
+
+
+def test_by_group_starts_each_groups_engines_after_the_last_stopped(tax_cmd, monkeypatch,
+                                                                    tmp_path):
+    """Run 13 (issue 16, an 80 GB H100): ten engines side by side ran out of
+    GPU memory. By group, only one (mode, layers) group's engines live at
+    a time; the arms of a group still alternate sample by sample."""
+    starts = tmp_path / "starts.log"
+    monkeypatch.setenv("FAKE_ENGINE_STARTS", str(starts))
+    rc, rep, calls = tax_cmd("--start", "by-group", "--arms", "off,on", "--modes",
+                             "default,fdo", "--batches", "1", "--reps", "2")
+    assert rc == 0 and rep["failures"] == []
+    events = starts.read_text().split("\n")[:-1]
+    first_fdo = min(i for i, e in enumerate(events) if e.startswith("fdo/"))
+    assert sorted(events[:first_fdo]) == sorted(
+        ["default/L4/off start", "default/L4/on start",
+         "default/L4/off stop", "default/L4/on stop"])
+    assert rep["runs"][0]["start_plan"] == [["default/L4"], ["fdo/L4"]]
+    assert {(s["mode"], s["arm"]) for s in rep["samples"]} == {
+        (md, arm) for md in ("default", "fdo") for arm in ("off", "on")}
+    assert [ln.split()[0].rsplit("/", 1)[1] for ln in calls[:4]] == ["off", "on", "on", "off"]
+
+
+def test_auto_starts_by_group_where_the_engines_do_not_fit(tax_cmd, monkeypatch):
+    """Four engines x 9.5 GiB exceed a 30 GiB GPU: auto starts by group;
+    on a 141 GB H200 they start together (runs 1-12)."""
+    monkeypatch.setattr(common, "gpu_memory_gib", lambda: 30.0)
+    rc, rep, _ = tax_cmd("--arms", "off,on", "--modes", "default,fdo", "--batches", "1",
+                         "--reps", "1")
+    assert rc == 0 and rep["runs"][0]["start_plan"] == [["default/L4"], ["fdo/L4"]]
+    assert rep["runs"][0]["gpu_memory_gib"] == 30.0
+    monkeypatch.setattr(common, "gpu_memory_gib", lambda: 139.8)
+    rc, rep, _ = tax_cmd("--arms", "off,on", "--modes", "default,fdo", "--batches", "1",
+                         "--reps", "1")
+    assert rc == 0 and rep["runs"][0]["start_plan"] == [["default/L4", "fdo/L4"]]
+
+
+def test_a_group_past_the_budget_starts_no_engine(tax_cmd, monkeypatch, tmp_path):
+    starts = tmp_path / "starts.log"
+    monkeypatch.setenv("FAKE_ENGINE_STARTS", str(starts))
+    rc, rep, _ = tax_cmd("--start", "by-group", "--modes", "default,fdo", "--batches", "1",
+                         "--budget", "0")
+    assert rc == 1 and rep["samples"] == []
+    # the first group's engines start (as together: the budget counts
+    # sampling), a later group's would only be stopped again
+    assert "default/L4/batch1: not measured (budget)" in rep["failures"]
+    assert "fdo/L4: engines not started (budget)" in rep["failures"]
+    assert not any(e.startswith("fdo/") for e in starts.read_text().split("\n"))

@@ -505,7 +505,8 @@ def client_summary(records: Sequence[Mapping], failures: int | None) -> dict:
 
 
 def _counter_keys(snap: Mapping) -> list[str]:
-    return [k for k in snap if k.endswith("_total") or k in (
+    return [k for k in snap if (k.endswith("_total") and k not in prom.GAUGES_NAMED_TOTAL)
+            or k in (
         "preemptions", "generation_tokens", "prompt_tokens", "prefix_cache_hits",
         "prefix_cache_queries", "external_prefix_cache_hits",
         "external_prefix_cache_queries") or k.startswith("prompt_tokens_by_source:")]

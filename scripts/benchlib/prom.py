@@ -96,6 +96,9 @@ def label_values(samples: list[Sample], name: str, label: str) -> list[str]:
 
 
 HISPARSE_PREFIX = "vllm:hisparse_"
+# Gauges whose names end like a counter's (spec 6.5 named the host pool's
+# size so): their level is the figure, not a delta.
+GAUGES_NAMED_TOTAL = frozenset({"vllm:hisparse_host_blocks_total"})
 # bench-agentic's figures: key -> series name
 FOLLOWED = {
     "running": "vllm:num_requests_running",

@@ -44,5 +44,7 @@ def metrics_text(running=3.0, waiting=1.0, preemptions=2.0, generation=1000.0, h
             f"vllm:hisparse_host_to_device_bytes_total{{{lab}}} {h2d}",
             f"vllm:hisparse_live_hot_regions{{{lab}}} 4.0",
             f"vllm:hisparse_host_cache_usage_perc{{{lab}}} 0.25",
+            "# TYPE vllm:hisparse_host_blocks_total gauge",
+            f"vllm:hisparse_host_blocks_total{{{lab}}} 1000.0",
         ]
     return "\n".join(out) + "\n"

@@ -340,6 +340,8 @@ def test_server_summary_time_weights_running_and_takes_deltas():
     assert s["generation_tokens_per_s"] == pytest.approx(900 / 5.0)
     assert s["hot_hit_rate"] == pytest.approx(60 / 100) and s["h2d_bytes"] == 6560
     assert s["hisparse"]["vllm:hisparse_live_hot_regions"] == {"last": 4.0, "peak": 4.0}
+    # the host pool's size: a gauge despite its _total (run 10 read 0.0, a delta)
+    assert s["hisparse"]["vllm:hisparse_host_blocks_total"] == {"last": 1000.0, "peak": 1000.0}
     assert s["prefix_cache_hit_rate"] is None  # no query between the samples
     assert s["prompt_tokens_by_source"]["local_compute"] == 0.0
     assert agentic.server_summary([], 0, 1) == {}

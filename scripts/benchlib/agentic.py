@@ -367,13 +367,16 @@ def pressure_hint(cfg: AgenticConfig) -> dict:
 def estimate_s(cfg: AgenticConfig) -> dict:
     """A rough prior: server starts, then every level's conversations
     (turns x output tokens at a tiny-model step time that grows with the
-    batch; HiSparse and the blog's baselines alike)."""
+    batch; HiSparse and the blog's baselines alike). The step time's slope
+    is fitted to runs 2 and 10 (H200, H100): the three arms' mean level
+    took 29 / 54 / 73 s at 8 / 16 / 32 conversations, this gives 33 / 47 /
+    74 (the baselines' preemptions and recomputation included)."""
     s = cfg.shape()
     starts = (90 + 15 * len(cfg.arms)) if cfg.parallel_start else 75 * len(cfg.arms)
     level = {}
     for c in cfg.concurrency:
         n = cfg.conversations_at(c)
-        step_ms = 2.0 + 0.25 * min(c * cfg.conversations_per_client, cfg.max_num_seqs)
+        step_ms = 2.0 + 0.5 * min(c * cfg.conversations_per_client, cfg.max_num_seqs)
         # decode: a client's turns one after another, the clients in parallel;
         # prefill: every conversation's first turn, ~40K tokens/s, one after another
         decode = s.turns * (s.output * step_ms / 1e3 + 0.3) * n / c

@@ -17,10 +17,10 @@ from tests.hisparse.scheduler.harness import (
     drain,
     hisparse_kv_cache_config,
     make_scheduler,
+    offloading_config,
     run_step,
 )
 from tests.hisparse.scheduler.invariants import check_drained, check_invariants
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -28,19 +28,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 OFFLOADER = "HiSparseOffloadingConnector"
-
-
-def offloading_config(spec_name: str, cpu_bytes: int, **extra) -> KVTransferConfig:
-    """The blog's form: an OffloadingConnector, no HiSparse connector."""
-    return KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={
-            "spec_name": spec_name,
-            "cpu_bytes_to_use": cpu_bytes,
-            **extra,
-        },
-    )
 
 
 class StatsTap:

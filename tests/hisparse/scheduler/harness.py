@@ -280,6 +280,20 @@ def make_scheduler(
     return scheduler
 
 
+def offloading_config(spec_name: str, cpu_bytes: int, **extra) -> KVTransferConfig:
+    """The blog's form: an OffloadingConnector, no HiSparse connector (with
+    a HiSparse config, ``make_scheduler`` composes it, spec 6.2)."""
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": spec_name,
+            "cpu_bytes_to_use": cpu_bytes,
+            **extra,
+        },
+    )
+
+
 class SchedulerSpecConfig:
     """What vLLM's Scheduler reads of an MTP ``SpeculativeConfig``
     (``method="mtp"``: ``use_eagle()`` is true, so the scheduler allocates

@@ -303,6 +303,11 @@ class AgenticConfig:
     ready_timeout_s: float = 420.0
     port_base: int = 8300
     parallel_start: bool = True
+    profile_level: int | None = None
+    """Profile every arm's engine at this concurrency level (torch profiler,
+    ``--profiler-config``; steptrace.py summarizes the trace)."""
+    profile_steps: int = 300
+    profile_delay_s: float = 15.0
 
     def shape(self) -> Shape:
         return shape(Trace(), self.scale, turns=self.turns, first=self.first_turn_tokens,
@@ -332,6 +337,12 @@ class AgenticConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1)")
         if self.poll_s <= 0:
             raise ValueError("--poll must be > 0")
+        if self.profile_level is not None:
+            if self.profile_level not in self.concurrency:
+                raise ValueError(f"--profile-level {self.profile_level} is not among "
+                                 f"--concurrency {self.concurrency}")
+            if self.profile_steps < 1 or self.profile_delay_s < 0:
+                raise ValueError("--profile-steps must be >= 1 and --profile-delay >= 0")
         need = self.max_model_len * PLAIN_BYTES_PER_TOKEN
         if self.kv_bytes < need:
             raise ValueError(f"--kv-bytes {self.kv_bytes} cannot hold one max_model_len request "
@@ -420,9 +431,28 @@ def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
     return flags
 
 
-def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str) -> list[str]:
+def profiler_config(folder: str, steps: int) -> dict:
+    """vLLM's torch profiler, idle until ``POST /start_profile``, stopping
+    itself after ``steps`` engine steps; no Python stacks (they would
+    multiply the host time it records), no front-end trace."""
+    return {"profiler": "torch", "torch_profiler_dir": folder,
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True,
+            "max_iterations": steps}
+
+
+def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str,
+                   profile_dir: str | None = None) -> list[str]:
     """``vllm serve`` (as ``python -m vllm.entrypoints.cli.main serve``: the
-    same CLI, on the interpreter whose PYTHONPATH holds the arm's vLLM)."""
+    same CLI, on the interpreter whose PYTHONPATH holds the arm's vLLM).
+    ``profile_dir``: the engine's profiler writes its traces there (only
+    with ``cfg.profile_level``; an armed profiler annotates every step, so
+    a profiled run's figures carry that small host cost in every arm of
+    ours; the upstream arm is never profiled)."""
+    profile = []
+    if profile_dir is not None and cfg.profile_level is not None and ARMS[arm]["vllm"] == "ours":
+        profile = ["--profiler-config",
+                   json.dumps(profiler_config(profile_dir, cfg.profile_steps))]
     return [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
             "--port", str(cfg.port(arm)), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
@@ -432,7 +462,7 @@ def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str) ->
             "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
             "--seed", str(cfg.seed), "--generation-config", "vllm",
             "--load-format", "hisparse_seeded" if cfg.weights == "seeded" else "dummy",
-            *arm_flags(arm, cfg)]
+            *arm_flags(arm, cfg), *profile]
 
 
 def tool_command(python: str, tool: Path, model_dir: str, url: str, input_file: Path,

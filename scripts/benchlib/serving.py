@@ -169,3 +169,52 @@ def run_tool(command: list[str], env: dict, log_path: Path, timeout: float) -> d
             rc, timed_out = proc.returncode, True
     return {"rc": rc, "timed_out": timed_out, "wall_s": round(time.time() - t0, 2),
             "t0": t0, "t1": time.time()}
+
+
+class ProfileWindow(threading.Thread):
+    """The engine's torch profiler over part of a level: started ``delay``
+    seconds in (the level's load has built up), it stops itself after its
+    ``max_iterations`` steps and writes the trace into ``folder``;
+    ``finish`` posts /stop_profile (which flushes a window the level cut
+    short) and waits for the trace file."""
+
+    def __init__(self, server: Server, folder: Path, delay: float) -> None:
+        super().__init__(daemon=True)
+        self.server, self.folder, self.delay = server, Path(folder), delay
+        self.before = set(self._traces())
+        self.started: float | None = None
+        self.start_status: int | None = None
+        self._halt = threading.Event()
+
+    def _traces(self) -> list[Path]:
+        return sorted(self.folder.rglob("*.pt.trace.json*")) if self.folder.is_dir() else []
+
+    def run(self) -> None:
+        if self._halt.wait(self.delay):
+            return  # the level ended first
+        self.started = time.time()
+        self.start_status, _ = http(f"{self.server.url}/start_profile", {}, timeout=120)
+
+    def finish(self, wait_s: float = 120.0) -> dict:
+        self._halt.set()
+        self.join(timeout=150)
+        rec: dict = {"delay_s": self.delay, "start_status": self.start_status}
+        if self.started is None:
+            rec["error"] = "the level ended before the profiler started"
+            return rec
+        rec["stop_status"], _ = http(f"{self.server.url}/stop_profile", {}, timeout=300)
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            new = [p for p in self._traces() if p not in self.before]
+            if not new:
+                time.sleep(1.0)
+                continue
+            # the engine's process writes the trace after the window: wait
+            # until its size settles
+            size = new[-1].stat().st_size
+            time.sleep(1.0)
+            if new[-1].stat().st_size == size:
+                rec["traces"] = [str(p) for p in new]
+                return rec
+        rec["error"] = f"no finished trace in {self.folder} within {wait_s:.0f} s"
+        return rec

@@ -141,10 +141,12 @@ def p8_tax(ours: Mapping[tuple[str, int], float],
 
 
 def _levels(levels: Iterable[Mapping]) -> dict[int, dict[str, Mapping]]:
-    """concurrency -> arm -> level record (only levels with figures)."""
+    """concurrency -> arm -> level record (only levels with figures, none
+    measured under the profiler: bench-agentic --profile-level)."""
     out: dict[int, dict[str, Mapping]] = {}
     for lv in levels:
-        if lv.get("status") in ("ok", "timeout") and lv.get("server"):
+        if lv.get("status") in ("ok", "timeout") and lv.get("server") \
+                and not lv.get("profiled"):
             out.setdefault(int(lv["concurrency"]), {})[lv["arm"]] = lv
     return out
 

@@ -3,11 +3,14 @@
 bench-agentic and vLLM's multi-turn tool use: /health, /version,
 /v1/models, /metrics (the series vLLM 0.26.0 exports, HiSparse's for the
 hisparse arm), POST /reset_prefix_cache, POST /v1/chat/completions
-(streamed like vLLM: one token word per chunk, then [DONE]). The "arm"
+(streamed like vLLM: one token word per chunk, then [DONE]), and with
+``--profiler-config`` (vLLM's flag) POST /start_profile and /stop_profile,
+the stop writing a trace of the engine's shape (fake_trace.py) into its
+``torch_profiler_dir``. The "arm"
 decides what the metrics show: plain preempts, only hisparse has
 vllm:hisparse_*; running requests are the streams in flight.
 
-usage: python3 fake_vllm.py --port P --arm ARM [--version V]
+usage: python3 fake_vllm.py --port P --arm ARM [--version V] [--profiler-config JSON]
 FAKE_VLLM_EXIT=ARM: that arm's server exits at once.
 """
 
@@ -19,6 +22,9 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from fake_trace import serving_steps, write_trace
 
 STATE = {"running": 0, "preemptions": 0, "generation": 0, "prompt": 0, "requests": 0,
          "hits": 0, "lookups": 0, "resets": 0}
@@ -45,7 +51,7 @@ def metrics(arm: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def make_handler(arm: str, version: str):
+def make_handler(arm: str, version: str, profiler: dict | None = None):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -80,8 +86,23 @@ def make_handler(arm: str, version: str):
                 self.send(200, "")
             elif self.path == "/v1/chat/completions":
                 self.chat(body)
+            elif self.path in ("/start_profile", "/stop_profile"):
+                self.profile(self.path == "/start_profile")
             else:
                 self.send(404, "{}")
+
+        def profile(self, start: bool) -> None:
+            if not profiler:  # vLLM: only routed with --profiler-config
+                self.send(404, "{}")
+                return
+            with LOCK:
+                was = STATE.get("profiling", False)
+                STATE["profiling"] = start
+            if was and not start:
+                folder = Path(profiler["torch_profiler_dir"])
+                write_trace(folder / f"fake_engine.{time.time_ns()}.pt.trace.json.gz",
+                            serving_steps(min(40, profiler.get("max_iterations") or 40)))
+            self.send(200, "")
 
         def chat(self, body: dict) -> None:
             n = int(body.get("max_tokens") or 16)
@@ -128,10 +149,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--arm", required=True)
     ap.add_argument("--version", default="0.0.0-fake")
+    ap.add_argument("--profiler-config", type=json.loads, default=None)
     a = ap.parse_args()
     if os.environ.get("FAKE_VLLM_EXIT") == a.arm:
         sys.exit(3)  # a server that does not come up
-    ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(a.arm, a.version)).serve_forever()
+    ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(a.arm, a.version,
+                                                                a.profiler_config)).serve_forever()
 
 
 if __name__ == "__main__":

@@ -180,8 +180,9 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     subprocess.run([sys.executable, str(common.MAKE_MODEL), str(tmp_path)], check=True,
                    capture_output=True)
     c = cfg(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
-            arms=[arm], index_topk_freq=2 if arm == "hisparse_pf" else 1)
-    cmd = agentic.server_command(arm, c, "python3", str(tmp_path))
+            arms=[arm], index_topk_freq=2 if arm == "hisparse_pf" else 1,
+            profile_level=4, profile_steps=250)
+    cmd = agentic.server_command(arm, c, "python3", str(tmp_path), str(tmp_path / "prof"))
     assert cmd[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
     parser = FlexibleArgumentParser()
     ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
@@ -203,6 +204,21 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     if hs is not None:
         assert hs.host_pool_gib == c.host_pool_gib
         assert hs.prefetch_followers == (arm == "hisparse_pf")
+    # --profile-level: the engine's torch profiler, armed, stopping itself
+    prof = vc.profiler_config
+    assert (prof.profiler, prof.torch_profiler_dir) == ("torch", str(tmp_path / "prof"))
+    assert (prof.max_iterations, prof.torch_profiler_with_stack, prof.ignore_frontend) == (
+        250, False, True)
+
+
+def test_profile_level_is_checked_and_off_by_default():
+    assert "--profiler-config" not in agentic.server_command("hisparse", cfg(), "p", "/m", "/d")
+    c = cfg(arms=["upstream", "hisparse"], profile_level=4)
+    assert "--profiler-config" not in agentic.server_command("upstream", c, "p", "/m", "/d")
+    with pytest.raises(ValueError, match="not among"):
+        cfg(profile_level=5).validate()
+    with pytest.raises(ValueError, match="--profile-steps"):
+        cfg(profile_level=4, profile_steps=0).validate()
 
 
 def test_ensure_model_writes_the_index_share_it_is_asked_for(tmp_path):

@@ -52,9 +52,17 @@ def agentic_cmd(bench_agentic, monkeypatch, tmp_path):
         return path
 
     monkeypatch.setattr(common, "ensure_model", model)
-    monkeypatch.setattr(agentic, "server_command", lambda arm, cfg, python, model_dir: [
-        sys.executable, str(HERE / "fake_vllm.py"), "--port", str(cfg.port(arm)),
-        "--arm", arm, "--version", "0.30.0" if arm == "upstream" else "0.26.0+hisparse.1"])
+    real_command = agentic.server_command
+
+    def server_command(arm, cfg, python, model_dir, profile_dir=None):
+        real = real_command(arm, cfg, python, model_dir, profile_dir)
+        profiler = real[real.index("--profiler-config"):][:2] if "--profiler-config" in real \
+            else []
+        return [sys.executable, str(HERE / "fake_vllm.py"), "--port", str(cfg.port(arm)),
+                "--arm", arm, "--version", "0.30.0" if arm == "upstream" else "0.26.0+hisparse.1",
+                *profiler]
+
+    monkeypatch.setattr(agentic, "server_command", server_command)
     tool = tmp_path / "tool"
     tool.mkdir()
     shutil.copy(HERE / "fake_multi_turn.py", tool / agentic.TOOL)
@@ -206,3 +214,28 @@ def test_with_vllms_own_multi_turn_tool(agentic_cmd, monkeypatch, tmp_path):
         assert cl["conversations"] == lv["concurrency"]
         assert cl["output_tokens"] == lv["server"]["generation_tokens"]
         assert cl["tpot_ms_p50"] > 0 and cl["ttft_ms_p50"] > 0
+
+
+def test_profile_level_summarizes_the_engines_trace(agentic_cmd, tmp_path):
+    """--profile-level: the profiler runs over part of that level of each of
+    our arms (POST /start_profile after --profile-delay, /stop_profile at
+    its end); the trace's step summary lands in the level; the level is
+    marked and no verdict reads its figures (they carry the profiler); the
+    other levels are untouched."""
+    rc, rep, out = agentic_cmd("--arms", "offload,hisparse,upstream", *SMALL,
+                               "--profile-level", "3", "--profile-delay", "0.05")
+    assert rc == 0, rep["failures"]
+    by = {(lv["arm"], lv["concurrency"]): lv for lv in rep["levels"]}
+    for arm in ("offload", "hisparse"):
+        lv = by[(arm, 3)]
+        assert lv["status"] == "ok" and lv["profiled"] is True
+        prof = lv["profile"]
+        assert (prof["start_status"], prof["stop_status"]) == (200, 200), prof
+        summary = prof["summary"]
+        assert summary["by_kind"]["decode"]["gpu_us_per_step"]["hisparse"] == 15.0
+        assert (out / prof["trace_file"]).exists()
+        assert "profile" not in by[(arm, 2)] and not by[(arm, 2)].get("profiled")
+    assert "profile" not in by[("upstream", 3)]  # never profiled (its own vLLM)
+    assert rep["targets"]["P5"]["measured"]["at_concurrency"] == 2  # level 3 is profiled
+    assert set(rep["targets"]["P4"]["measured"]["levels"]["3"]) == {"upstream"}
+    assert "--profiler-config" in rep["arms"]["hisparse"]["command"]

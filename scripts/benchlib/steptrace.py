@@ -209,6 +209,25 @@ def summarize(path: Path) -> dict:
                     "whole step); GPU time by launch; profiler overhead inflates host time"}
 
 
+def table(summaries: Mapping[str, Mapping]) -> str:
+    """Markdown rows, one per (arm, step kind): the figures a reader
+    compares across arms (``summaries``: arm -> ``summarize`` output)."""
+    cats = ("hisparse", "indexer", "attention", "gemm", "fused", "other", "memcpy_HtoD")
+    head = ["arm", "kind", "steps", "share", "cycle us (median)", "decode reqs",
+            "prefill tokens", *[f"{c} us" for c in cats], "GPU busy"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, s in summaries.items():
+        for kind, k in (s.get("by_kind") or {}).items():
+            gpu = k["gpu_us_per_step"]
+            rows.append("| " + " | ".join(str(x) for x in [
+                arm, kind, k["steps"], f"{k['share_of_window']:.2f}",
+                f"{k['cycle_us_median']:.0f}", f"{k['decode_reqs_mean']:.1f}",
+                f"{k['prefill_tokens_mean']:.0f}",
+                *[f"{gpu.get(c, 0.0):.0f}" for c in cats],
+                f"{k['gpu_busy_share']:.2f}" if k["gpu_busy_share"] is not None else "-"]) + " |")
+    return "\n".join(rows)
+
+
 def find_traces(folder: Path) -> list[Path]:
     """The engine's trace files under ``folder`` (the tensorboard handler's
     ``*.pt.trace.json[.gz]``), oldest first."""
@@ -217,4 +236,4 @@ def find_traces(folder: Path) -> list[Path]:
 
 
 __all__ = ["CATEGORIES", "attribute", "category", "find_traces", "load", "steps_of",
-           "summarize", "summarize_steps"]
+           "summarize", "summarize_steps", "table"]

@@ -76,3 +76,11 @@ def test_find_traces_oldest_first(tmp_path):
     import os
     os.utime(a, (1, 1))
     assert steptrace.find_traces(tmp_path) == [a, b]
+
+
+def test_table_has_a_row_per_arm_and_kind(tmp_path):
+    s = steptrace.summarize(write_trace(tmp_path / "t.pt.trace.json.gz", serving_steps(40)))
+    rows = steptrace.table({"hisparse": s, "offload": s}).splitlines()
+    assert len(rows) == 2 + 4
+    assert rows[2].startswith("| hisparse | decode | 32 | 0.67 | 4000 | 7.0 | 0 | 15 | 0 | 120 | 200")
+    assert rows[3].startswith("| hisparse | mixed | 7 |")

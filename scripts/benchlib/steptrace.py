@@ -125,6 +125,21 @@ def attribute(events: list[Mapping], steps: list[dict]) -> dict:
     for s in steps:
         s["gpu_us"] = defaultdict(float)
         s["copy_bytes"] = defaultdict(int)
+        s["runtime_calls"] = 0
+        s["sync_us"] = 0.0
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:  # host side: CUDA API calls per step, the waiting ones apart
+        if e.get("cat") not in LAUNCH_CATS:
+            continue
+        name, dur = e.get("name", ""), float(e.get("dur", 0.0))
+        r = runtime[name]
+        r[0] += dur
+        r[1] += 1
+        i = _step_index(starts, float(e["ts"]))
+        if i is not None:
+            steps[i]["runtime_calls"] += 1
+            if is_sync(name):
+                steps[i]["sync_us"] += dur
     unattributed = defaultdict(float)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in events:
@@ -149,9 +164,18 @@ def attribute(events: list[Mapping], steps: list[dict]) -> dict:
         if cat in COPY_CATS:
             steps[i]["copy_bytes"][key] += int((e.get("args") or {}).get("bytes", 0))
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    top_rt = sorted(runtime.items(), key=lambda kv: -kv[1][0])[:10]
     return {"unattributed_us": {k: round(v, 1) for k, v in unattributed.items()},
             "top_kernels": [{"name": n[:120], "category": category(n), "total_us": round(t, 1),
-                             "count": c} for n, (t, c) in top]}
+                             "count": c} for n, (t, c) in top],
+            "top_runtime_calls": [{"name": n, "total_us": round(t, 1), "count": c,
+                                   "sync": is_sync(n)} for n, (t, c) in top_rt]}
+
+
+def is_sync(name: str) -> bool:
+    """A CUDA API call that blocks the host on the device (a synchronize,
+    or a synchronous memcpy)."""
+    return "Synchronize" in name or name in ("cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpy")
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -191,6 +215,8 @@ def summarize_steps(steps: list[dict]) -> dict:
             "prefill_tokens_mean": _mean([s["ctx_tokens"] for s in sel]),
             "gpu_us_per_step": gpu,
             "kernel_us_per_step": _mean(kernel_us),
+            "cuda_api_calls_per_step": _mean([s["runtime_calls"] for s in sel]),
+            "host_sync_us_per_step": _mean([s["sync_us"] for s in sel]),
             "gpu_busy_share": round(sum(kernel_us) / sum(cycles), 4) if sum(cycles) else None,
             "copy_bytes_per_step": {c: round(sum(s["copy_bytes"].get(c, 0) for s in sel) / n)
                                     for c in copy},
@@ -214,7 +240,7 @@ def table(summaries: Mapping[str, Mapping]) -> str:
     compares across arms (``summaries``: arm -> ``summarize`` output)."""
     cats = ("hisparse", "indexer", "attention", "gemm", "fused", "other", "memcpy_HtoD")
     head = ["arm", "kind", "steps", "share", "cycle us (median)", "decode reqs",
-            "prefill tokens", *[f"{c} us" for c in cats], "GPU busy"]
+            "prefill tokens", *[f"{c} us" for c in cats], "GPU busy", "CUDA calls", "host sync us"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, s in summaries.items():
         for kind, k in (s.get("by_kind") or {}).items():
@@ -224,7 +250,9 @@ def table(summaries: Mapping[str, Mapping]) -> str:
                 f"{k['cycle_us_median']:.0f}", f"{k['decode_reqs_mean']:.1f}",
                 f"{k['prefill_tokens_mean']:.0f}",
                 *[f"{gpu.get(c, 0.0):.0f}" for c in cats],
-                f"{k['gpu_busy_share']:.2f}" if k["gpu_busy_share"] is not None else "-"]) + " |")
+                f"{k['gpu_busy_share']:.2f}" if k["gpu_busy_share"] is not None else "-",
+                f"{k['cuda_api_calls_per_step']:.0f}", f"{k['host_sync_us_per_step']:.0f}"])
+                + " |")
     return "\n".join(rows)
 
 
@@ -235,5 +263,5 @@ def find_traces(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
-__all__ = ["CATEGORIES", "attribute", "category", "find_traces", "load", "steps_of",
+__all__ = ["CATEGORIES", "attribute", "category", "find_traces", "is_sync", "load", "steps_of",
            "summarize", "summarize_steps", "table"]

@@ -12,9 +12,10 @@ from pathlib import Path
 
 
 def step(ctx_reqs=0, ctx_tokens=0, gen_reqs=1, gen_tokens=1, cycle_us=1000.0,
-         kernels=(), h2d_bytes=0, h2d_us=0.0) -> dict:
+         kernels=(), h2d_bytes=0, h2d_us=0.0, sync_us=0.0) -> dict:
     return {"ctx": (ctx_reqs, ctx_tokens), "gen": (gen_reqs, gen_tokens),
-            "cycle_us": cycle_us, "kernels": list(kernels), "h2d": (h2d_bytes, h2d_us)}
+            "cycle_us": cycle_us, "kernels": list(kernels), "h2d": (h2d_bytes, h2d_us),
+            "sync_us": sync_us}
 
 
 def make_trace(steps: list[dict], gpu_lag_us: float = 600.0) -> dict:
@@ -46,6 +47,10 @@ def make_trace(steps: list[dict], gpu_lag_us: float = 600.0) -> dict:
                            "pid": 0, "tid": 7, "args": args})
             launch += 4.0
             gpu_t += dur
+        if s["sync_us"]:  # the host waits for the device (no kernel of its own)
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize",
+                           "ts": launch, "dur": s["sync_us"], "pid": 1, "tid": 1,
+                           "args": {"correlation": 10**6 + corr}})
         ts += s["cycle_us"]
     return {"schemaVersion": 1, "traceEvents": events}
 
@@ -68,7 +73,7 @@ def serving_steps(n: int = 40) -> list[dict]:
         if i % 5 == 4:
             out.append(step(ctx_reqs=1, ctx_tokens=2048, gen_reqs=6, gen_tokens=6,
                             cycle_us=9000.0, kernels=kernels + [("sm90_xmma_gemm", 3000.0)],
-                            h2d_bytes=1 << 20, h2d_us=50.0))
+                            h2d_bytes=1 << 20, h2d_us=50.0, sync_us=300.0))
         else:
             out.append(step(gen_reqs=7, gen_tokens=7, cycle_us=4000.0, kernels=kernels,
                             h2d_bytes=1 << 20, h2d_us=50.0))

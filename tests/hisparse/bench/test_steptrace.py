@@ -39,6 +39,12 @@ def test_gpu_time_goes_to_the_step_that_launched_it(tmp_path):
     assert dec["kernel_us_per_step"] == 335.0  # copies are not kernels
     assert dec["gpu_busy_share"] == pytest.approx(335 / 4000, abs=1e-4)
     assert dec["copy_bytes_per_step"] == {"memcpy_HtoD": 1 << 20}
+    # host side: CUDA API calls per step, the blocking ones' time apart
+    assert (dec["cuda_api_calls_per_step"], mix["cuda_api_calls_per_step"]) == (5.0, 7.0)
+    assert (dec["host_sync_us_per_step"], mix["host_sync_us_per_step"]) == (0.0, 300.0)
+    rt = {r["name"]: r for r in s["top_runtime_calls"]}
+    assert rt["cudaStreamSynchronize"]["sync"] and not rt["cudaLaunchKernel"]["sync"]
+    assert rt["cudaStreamSynchronize"]["count"] == 8
     # the last annotation's launches fall after every cycle: reported, not spread
     assert s["unattributed_us"]["gemm"] == 3200.0
     top = s["top_kernels"]
@@ -83,4 +89,5 @@ def test_table_has_a_row_per_arm_and_kind(tmp_path):
     rows = steptrace.table({"hisparse": s, "offload": s}).splitlines()
     assert len(rows) == 2 + 4
     assert rows[2].startswith("| hisparse | decode | 32 | 0.67 | 4000 | 7.0 | 0 | 15 | 0 | 120 | 200")
+    assert rows[3].endswith("| 0.37 | 7 | 300 |")
     assert rows[3].startswith("| hisparse | mixed | 7 |")

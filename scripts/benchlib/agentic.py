@@ -446,9 +446,10 @@ def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str,
     """``vllm serve`` (as ``python -m vllm.entrypoints.cli.main serve``: the
     same CLI, on the interpreter whose PYTHONPATH holds the arm's vLLM).
     ``profile_dir``: the engine's profiler writes its traces there (only
-    with ``cfg.profile_level``; an armed profiler annotates every step, so
-    a profiled run's figures carry that small host cost in every arm of
-    ours; the upstream arm is never profiled)."""
+    with ``cfg.profile_level``; our arms only, the upstream arm is never
+    profiled). vLLM creates the profiler at the first ``/start_profile``:
+    until then a step costs nothing more; after the window each step still
+    passes an idle annotation."""
     profile = []
     if profile_dir is not None and cfg.profile_level is not None and ARMS[arm]["vllm"] == "ours":
         profile = ["--profiler-config",

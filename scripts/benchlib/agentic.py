@@ -65,6 +65,7 @@ MARGIN_TOKENS = 128
 # one uniform group: 2 GiB hold ~680K tokens in the e2e engines).
 PLAIN_BYTES_PER_TOKEN = 3158
 MODEL_LAYERS = 4
+PROFILE_S = 25  # a profiled level's extra seconds per arm (a prior, not yet measured)
 
 ARMS: dict[str, dict] = {
     "plain": {"vllm": "ours", "doc": "vLLM 0.26.0 + this series, HiSparse off, no offloading "
@@ -394,7 +395,11 @@ def estimate_s(cfg: AgenticConfig) -> dict:
         prefill = n * (s.first + (s.turns - 1) * s.later) / 40000
         level[c] = round(decode + prefill + 10)
     total = starts + len(cfg.arms) * sum(level.values()) + 20
-    return {"server_starts_s": starts, "level_s": level, "total_s": round(total)}
+    profile = 0
+    if cfg.profile_level is not None:  # the window's slower steps, the trace's export
+        profile = PROFILE_S * sum(ARMS[a]["vllm"] == "ours" for a in cfg.arms)
+    return {"server_starts_s": starts, "level_s": level, "profile_s": profile,
+            "total_s": round(total + profile)}
 
 
 # ------------------------------------------------------ command lines

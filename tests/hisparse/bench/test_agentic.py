@@ -215,6 +215,10 @@ def test_profile_level_is_checked_and_off_by_default():
     assert "--profiler-config" not in agentic.server_command("hisparse", cfg(), "p", "/m", "/d")
     c = cfg(arms=["upstream", "hisparse"], profile_level=4)
     assert "--profiler-config" not in agentic.server_command("upstream", c, "p", "/m", "/d")
+    plain, profiled = (agentic.estimate_s(cfg(arms=["upstream", "hisparse", "offload"],
+                                              profile_level=p)) for p in (None, 4))
+    assert plain["profile_s"] == 0  # the profiled level's extra time, our two arms only
+    assert profiled["total_s"] - plain["total_s"] == profiled["profile_s"] == 2 * agentic.PROFILE_S
     with pytest.raises(ValueError, match="not among"):
         cfg(profile_level=5).validate()
     with pytest.raises(ValueError, match="--profile-steps"):

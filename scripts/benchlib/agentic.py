@@ -66,20 +66,32 @@ MARGIN_TOKENS = 128
 PLAIN_BYTES_PER_TOKEN = 3158
 MODEL_LAYERS = 4
 PROFILE_S = 25  # a profiled level's extra seconds per arm (a prior, not yet measured)
+# The duration prior (estimate_s): output tokens/s an arm sustains
+# (ARMS[arm]["prior_tok_s"]: {8: at up to 8 conversations, 16: at more},
+# one conversation's own ceiling below that) and a level's fixed seconds
+# (the tool's start and end, the cache reset). From runs 1-12 on H200 and
+# H100, near the lower figures, so the estimate errs long: plain 848-1,272
+# tok/s at 4-8 conversations and 738-1,025 at 16-32 (its preemptions'
+# recomputation grows), the offloader 980-1,204 and 685-1,289, HiSparse
+# 1,511-2,034 and 1,475-2,193 (1,000-1,350 at --index-topk-freq 2,
+# hisparse_pf's setting), upstream 0.30.0 826 and 1,367; 14-18 s beside
+# the tokens' time.
+TOK_S_PER_CONVERSATION = 250
+LEVEL_FIXED_S = 15
 
 ARMS: dict[str, dict] = {
-    "plain": {"vllm": "ours", "doc": "vLLM 0.26.0 + this series, HiSparse off, no offloading "
+    "plain": {"vllm": "ours", "prior_tok_s": {8: 1000, 16: 740}, "doc": "vLLM 0.26.0 + this series, HiSparse off, no offloading "
                                      "(sparse_mla_force_mqa=true: the bundle has no "
                                      "FlashAttention)"},
-    "offload": {"vllm": "ours", "doc": "the OffloadingConnector alone (TieringOffloadingSpec): "
+    "offload": {"vllm": "ours", "prior_tok_s": {8: 950, 16: 800}, "doc": "the OffloadingConnector alone (TieringOffloadingSpec): "
                                        "the blog's baseline"},
-    "hisparse": {"vllm": "ours", "doc": "Hybrid HiSparse + the OffloadingConnector: "
+    "hisparse": {"vllm": "ours", "prior_tok_s": {8: 1500, 16: 1500}, "doc": "Hybrid HiSparse + the OffloadingConnector: "
                                         "--attention-config '{\"hisparse_config\": ...}' "
                                         "--kv-transfer-config '{...OffloadingConnector...}'"},
-    "hisparse_pf": {"vllm": "ours", "doc": "as hisparse, with prefetch_followers=true (the "
+    "hisparse_pf": {"vllm": "ours", "prior_tok_s": {8: 950, 16: 950}, "doc": "as hisparse, with prefetch_followers=true (the "
                                            "followers' gathers on a copy stream; needs "
                                            "--index-topk-freq > 1 to have followers)"},
-    "upstream": {"vllm": "upstream", "doc": "upstream vLLM 0.30.0's HiSparse "
+    "upstream": {"vllm": "upstream", "prior_tok_s": {8: 820, 16: 820}, "doc": "upstream vLLM 0.30.0's HiSparse "
                                             "(HiSparseConnector, model runner V2)"},
 }
 
@@ -376,25 +388,26 @@ def pressure_hint(cfg: AgenticConfig) -> dict:
                               for c in cfg.concurrency}}
 
 
-def estimate_s(cfg: AgenticConfig) -> dict:
-    """A rough prior: server starts, then every level's conversations
-    (turns x output tokens at a tiny-model step time that grows with the
-    batch; HiSparse and the blog's baselines alike). The step time's slope
-    is fitted to runs 2 and 10 (H200, H100): the three arms' mean level
-    took 29 / 54 / 73 s at 8 / 16 / 32 conversations, this gives 33 / 47 /
-    74 (the baselines' preemptions and recomputation included)."""
+def level_prior_s(cfg: AgenticConfig, arm: str, c: int) -> int:
+    """A level's expected seconds for ``arm``: its output tokens at the
+    arm's prior throughput (the baselines' pools cap their running requests,
+    so their tokens/s stops growing with the conversations; HiSparse's
+    grows further), plus the fixed part."""
     s = cfg.shape()
+    tokens = cfg.conversations_at(c) * s.turns * s.output
+    sustained = ARMS[arm]["prior_tok_s"][8 if c <= 8 else 16]
+    tok_s = min(sustained, TOK_S_PER_CONVERSATION * min(c, cfg.max_num_seqs))
+    return round(tokens / tok_s + LEVEL_FIXED_S)
+
+
+def estimate_s(cfg: AgenticConfig) -> dict:
+    """A rough prior: server starts, then every arm's levels one after
+    another (level_prior_s). Per arm, not per level: run 12's baselines
+    took 73-133 s a level where a per-level prior said 47-74, and the last
+    level ran out of budget."""
     starts = (90 + 15 * len(cfg.arms)) if cfg.parallel_start else 75 * len(cfg.arms)
-    level = {}
-    for c in cfg.concurrency:
-        n = cfg.conversations_at(c)
-        step_ms = 2.0 + 0.5 * min(c * cfg.conversations_per_client, cfg.max_num_seqs)
-        # decode: a client's turns one after another, the clients in parallel;
-        # prefill: every conversation's first turn, ~40K tokens/s, one after another
-        decode = s.turns * (s.output * step_ms / 1e3 + 0.3) * n / c
-        prefill = n * (s.first + (s.turns - 1) * s.later) / 40000
-        level[c] = round(decode + prefill + 10)
-    total = starts + len(cfg.arms) * sum(level.values()) + 20
+    level = {a: {c: level_prior_s(cfg, a, c) for c in cfg.concurrency} for a in cfg.arms}
+    total = starts + sum(sum(v.values()) for v in level.values()) + 20
     profile = 0
     if cfg.profile_level is not None:  # the window's slower steps, the trace's export
         profile = PROFILE_S * sum(ARMS[a]["vllm"] == "ours" for a in cfg.arms)

@@ -143,6 +143,18 @@ def test_sequential_start_and_budget(agentic_cmd):
     assert rc == 0 and {lv["status"] for lv in rep["levels"]} == {"ok"}
     rc, rep, _ = agentic_cmd("--arms", "plain", "--budget", "0", *SMALL, out="b")
     assert rc == 1 and {lv["status"] for lv in rep["levels"]} == {"skipped"}
+    # A level its arm's prior says the budget cannot finish is skipped, not
+    # started to time out: 2 conversations x 6 turns x 2,500 tokens at the
+    # prior's 500 tok/s need ~75 s, 0.8 of it 60 s; 55 s of budget leaves
+    # more than the 40 s floor but less than that.
+    long = ["--scale", "0.002", "--turns", "6", "--output-tokens", "2500", "--concurrency", "2",
+            "--max-model-len", "32768",
+            "--poll", "0.05"]
+    rc, rep, _ = agentic_cmd("--arms", "plain", "--budget", "55", *long, out="c")
+    (level,) = rep["levels"]
+    assert rc == 1 and level["status"] == "skipped", level
+    left = float(level["error"].split("budget: ")[1].split(" s left")[0])
+    assert left >= 40 and "needs ~60 s" in level["error"], level["error"]
 
 
 def test_merge_with_an_earlier_run_and_the_tax(agentic_cmd, tmp_path):

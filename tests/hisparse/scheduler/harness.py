@@ -1305,17 +1305,33 @@ def num_accepted(c: int, drafts) -> int:
     return a
 
 
+def schedule(scheduler: Scheduler) -> SchedulerOutput:
+    """``scheduler.schedule()``, noting which requests the step samples for:
+    those whose chunk reaches every token the request had when scheduled
+    (the pin's ``is_prefill_chunk``, set by the schedule). A resumed
+    request recomputes its prompt and its earlier outputs, and a chunk
+    past the prompt but short of those samples nothing (the runner
+    discards it, and the async scheduler counted no placeholder for it)."""
+    so = scheduler.schedule()
+    so.hs_samples = {r: not scheduler.requests[r].is_prefill_chunk
+                     for r in so.num_scheduled_tokens}
+    return so
+
+
 def model_output(
     scheduler: Scheduler, so: SchedulerOutput, connector_output: KVConnectorOutput
 ) -> ModelRunnerOutput:
     """What the model returns for ``so``: a token for every request whose
-    scheduled tokens reach the end of its prompt; with draft tokens
+    scheduled tokens reach the end of its tokens (``schedule``; a schedule
+    not taken through it: the end of its prompt); with draft tokens
     (speculative decoding), the accepted drafts plus the bonus token."""
     req_ids = list(so.num_scheduled_tokens)
     sampled: list[list[int]] = []
+    samples = getattr(so, "hs_samples", None)
     for req_id, (c, n) in scheduled_positions(so).items():
         request = scheduler.requests.get(req_id)
-        done = request is not None and c + n >= request.num_prompt_tokens
+        done = request is not None and (
+            samples[req_id] if samples is not None else c + n >= request.num_prompt_tokens)
         drafts = so.scheduled_spec_decode_tokens.get(req_id)
         if not done:
             sampled.append([])
@@ -1369,7 +1385,7 @@ def run_step(
 ) -> SchedulerOutput:
     """One engine step: schedule, simulated forward, sample, update (then
     the drafter's proposals, as EngineCore.post_step)."""
-    so = scheduler.schedule()
+    so = schedule(scheduler)
     connector_output = worker.step(so)
     scheduler.update_from_output(so, model_output(scheduler, so, connector_output))
     if drafter is not None:
@@ -1388,7 +1404,7 @@ class AsyncDriver:
         self.in_flight: tuple[SchedulerOutput, KVConnectorOutput] | None = None
 
     def step(self) -> SchedulerOutput:
-        so = self.scheduler.schedule()
+        so = schedule(self.scheduler)
         out = self.worker.step(so)
         if self.in_flight is not None:
             prev, prev_out = self.in_flight
@@ -1412,7 +1428,7 @@ class BaselineAsync:
         self.s, self.in_flight = scheduler, None
 
     def step(self) -> None:
-        so = self.s.schedule()
+        so = schedule(self.s)
         if self.in_flight is not None:
             prev = self.in_flight
             self.s.update_from_output(prev, model_output(self.s, prev, None))
@@ -1430,7 +1446,7 @@ class BaselineSync:
         self.s = scheduler
 
     def step(self) -> None:
-        so = self.s.schedule()
+        so = schedule(self.s)
         self.s.update_from_output(so, model_output(self.s, so, None))
 
     def busy(self) -> bool:
@@ -1454,7 +1470,7 @@ class LateDriver:
         self.executed = 0
 
     def step(self) -> SchedulerOutput:
-        so = self.scheduler.schedule()
+        so = schedule(self.scheduler)
         self.worker.receive(so)
         self.queue.append(so)
         while len(self.queue) > self.lag:

@@ -9,6 +9,14 @@ break the guarantees the scheduler and the kernels rely on.
 
 from vllm.config.hisparse import MAX_DEVICE_BUFFER_SIZE
 
+# Output pages per request an admission keeps free for the decode growth of
+# the groups that never give a page back (the indexer; docs/residency.md
+# R34): cdiv(min(prompt + max_tokens, max_model_len), B) pages less those
+# the request holds, at most this many (32 pages are 2,048 tokens at B = 64:
+# an agentic turn's answer fits; a request without max_tokens, whose limit
+# is the context length, does not hold back a whole context's worth).
+DECODE_RESERVE_MAX_PAGES = 32
+
 # Tail pages of every request that are never unpinned (INV-20, spec 4.5). The
 # resident admission cap adds them on top of the in-flight window (spec 2.4).
 ACTIVE_TAIL_PAGES = 2

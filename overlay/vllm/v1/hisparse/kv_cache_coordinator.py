@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from vllm.distributed.kv_events import MEDIUM_CPU, KVCacheEvent
 from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -36,7 +37,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
 )
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
-from vllm.v1.hisparse.constants import HOST_WRITER_RANK
+from vllm.v1.hisparse.constants import DECODE_RESERVE_MAX_PAGES, HOST_WRITER_RANK
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.managers import (
@@ -218,6 +219,13 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             g for g in self._own_group_ids
             if type(managers[g]).get_num_skipped_tokens
             is not SingleTypeKVCacheManager.get_num_skipped_tokens
+        )
+        # R34: the GPU groups that grow a block per page and never give one
+        # back (the indexer, any other full-attention group); the source
+        # group's blocks are host blocks.
+        self._growth_group_ids = tuple(
+            g for g in self._own_group_ids
+            if g != self.source_group_id and isinstance(managers[g], FullAttentionManager)
         )
         # A settled request's "room" (tokens its tables hold without any
         # allocation) is exact when every group holds cdiv(tokens, B) blocks:
@@ -458,6 +466,33 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
             return False
         self._staging_claim = (request_id, pages)
         return True
+
+    def admission_reserve_blocks(self, request: Request) -> int:
+        """R34 (P4): blocks an admission leaves free for the output growth of
+        the requests HiSparse tracks (running, or loading) and of
+        ``request`` itself. The indexer (and any other GPU-only group)
+        gains a block per page and never gives one back, while a resident
+        page is given up as the next one is allocated (R25); so once the
+        pool is full of indexer pages and hot regions, a decode that
+        crosses a page boundary had nothing to take and preempted
+        (bench-agentic run 12). O(requests) per admission attempt."""
+        if not self._growth_group_ids:
+            return 0
+        rid = request.request_id
+        pages = self._output_pages_to_come(request, 0)
+        lead = self.single_type_managers[self._growth_group_ids[0]].req_to_blocks
+        for st in self.hisparse.states.values():
+            other = st.request
+            if other is not None and other.request_id != rid:
+                pages += self._output_pages_to_come(other, len(lead.get(other.request_id, ())))
+        return pages * len(self._growth_group_ids)
+
+    def _output_pages_to_come(self, request: Request, held: int) -> int:
+        """Pages from what the request holds or has reserved (its tokens so
+        far: the in-flight prefill reservation covers them) to its end."""
+        end = min(request.num_prompt_tokens + (request.max_tokens or 0), self.max_model_len)
+        now = max(held, cdiv(request.num_tokens, self.scheduler_block_size))
+        return min(max(cdiv(end, self.scheduler_block_size) - now, 0), DECODE_RESERVE_MAX_PAGES)
 
     def waits_for_in_flight_blocks(self, request_id: str) -> bool:
         """R26 (F20): the running request's allocation just failed; wait a

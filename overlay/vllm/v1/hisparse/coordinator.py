@@ -40,6 +40,7 @@ pages, never over tokens.
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _CLEAN = sys.maxsize  # RequestResidency.dirty_from when the worker's table is current
+_request_id = attrgetter("request_id")
 
 
 def durable_tokens(request: Request) -> int:
@@ -1084,7 +1086,10 @@ class HiSparseCoordinator:
         req_ids: list[str] = []
         starts: list[int] = []
         rows: list[np.ndarray] = []
-        for st in list(self._dirty):
+        # In request-id order: the order the tables changed in depends on
+        # when each pass ran (event-driven or in full), the content does not.
+        dirty = sorted(self._dirty, key=_request_id) if len(self._dirty) > 1 else list(self._dirty)
+        for st in dirty:
             req_id = st.request_id
             if req_id not in scheduled:
                 continue

@@ -48,6 +48,7 @@ from tests.hisparse.scheduler.harness import (  # noqa: E402
     make_request,
     make_scheduler,
     model_output,
+    schedule,
 )
 
 REPLAY_BLOCKS = 90_000
@@ -76,7 +77,7 @@ class Engine:
         return self.s.has_unfinished_requests() or self.in_flight is not None
 
     def step(self) -> list:
-        so = self.s.schedule()
+        so = schedule(self.s)
         outs = [] if self.in_flight is None else self._outputs(self.in_flight)
         self.in_flight = so if so.num_scheduled_tokens else None
         return outs
@@ -135,7 +136,7 @@ class QueueEngine(Engine):
 
     def step(self) -> list:
         if self.s.has_requests():
-            so = self.s.schedule()
+            so = schedule(self.s)
             self.queue.insert(0, so)
             if len(self.queue) < 2 and (so.total_num_scheduled_tokens > 0
                                         or self.s.has_requests()):

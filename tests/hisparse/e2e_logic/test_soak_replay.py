@@ -29,6 +29,7 @@ from tests.hisparse.scheduler.harness import (  # noqa: I001
     make_scheduler,
     model_output,
     sampled_token,
+    schedule,
 )
 
 
@@ -133,7 +134,7 @@ class ServerDriver(AsyncDriver):
     inside = None
 
     def step(self):
-        so = self.scheduler.schedule()
+        so = schedule(self.scheduler)
         out = self.worker.step(so)
         if self.inside is not None:
             self.inside()

@@ -23,6 +23,7 @@ from tests.hisparse.scheduler.harness import (
     make_request,
     model_output,
     run_step,
+    schedule,
 )
 from tests.hisparse.scheduler.helpers import prompt
 from tests.hisparse.scheduler.invariants import check_drained, check_invariants
@@ -115,7 +116,7 @@ def test_imported_pages_are_neither_valid_nor_read_before_completion(tmp_path):
     p = prompt(PROMPT, seed=1)
     write_prefill(rig, p)
     s.add_request(make_request("a", p, 8))
-    so = s.schedule()
+    so = schedule(s)
     st = rig.hisparse.states["a"]
     assert st.importing is not None and not st.valid and not st.pending
     assert "a" not in so.num_scheduled_tokens
@@ -237,7 +238,7 @@ def test_a_load_that_fails_drops_the_marks_and_recomputes(
     p = prompt(PROMPT, seed=1)
     folder = write_prefill(rig, p)
     s.add_request(make_request("a", p, 8))
-    so = s.schedule()
+    so = schedule(s)
     for name in os.listdir(folder):
         os.remove(os.path.join(folder, name))
     out = w.step(so)
@@ -309,7 +310,7 @@ def test_a_failed_host_landing_the_pool_cannot_recompute_is_an_error(tmp_path):
     p = prompt(PROMPT, seed=1)
     folder = write_prefill(rig, p)
     s.add_request(make_request("a", p, 8))
-    so = s.schedule()
+    so = schedule(s)
     for name in os.listdir(folder):
         os.remove(os.path.join(folder, name))
     out = w.step(so)

@@ -27,6 +27,7 @@ from tests.hisparse.scheduler.harness import (
     make_request,
     make_scheduler,
     model_output,
+    schedule,
 )
 from tests.hisparse.scheduler.helpers import add_conversations, hs, prompt
 from tests.hisparse.scheduler.invariants import check_invariants
@@ -68,7 +69,7 @@ class Run:
     def go(self, max_steps: int = 5000) -> list[SchedulerStats]:
         s = self.s
         while s.has_unfinished_requests() or s.connector.has_pending_push_work():
-            so = s.schedule()
+            so = schedule(s)
             out = self.w.step(so)
             if self.worker_stats is not None:
                 out.kv_connector_stats = self.worker_stats(len(self.stats))

@@ -1321,17 +1321,17 @@ def schedule(scheduler: Scheduler) -> SchedulerOutput:
 def model_output(
     scheduler: Scheduler, so: SchedulerOutput, connector_output: KVConnectorOutput
 ) -> ModelRunnerOutput:
-    """What the model returns for ``so``: a token for every request whose
-    scheduled tokens reach the end of its tokens (``schedule``; a schedule
-    not taken through it: the end of its prompt); with draft tokens
-    (speculative decoding), the accepted drafts plus the bonus token."""
+    """What the model returns for ``so`` (scheduled through ``schedule``):
+    a token for every request whose scheduled tokens reach the end of its
+    tokens; with draft tokens (speculative decoding), the accepted drafts
+    plus the bonus token."""
     req_ids = list(so.num_scheduled_tokens)
     sampled: list[list[int]] = []
     samples = getattr(so, "hs_samples", None)
+    if samples is None:
+        raise ProtocolError("model_output needs a SchedulerOutput from harness.schedule()")
     for req_id, (c, n) in scheduled_positions(so).items():
-        request = scheduler.requests.get(req_id)
-        done = request is not None and (
-            samples[req_id] if samples is not None else c + n >= request.num_prompt_tokens)
+        done = scheduler.requests.get(req_id) is not None and samples[req_id]
         drafts = so.scheduled_spec_decode_tokens.get(req_id)
         if not done:
             sampled.append([])

@@ -17,6 +17,7 @@ from tests.hisparse.scheduler.harness import (
     drain,
     make_request,
     model_output,
+    schedule,
 )
 from tests.hisparse.scheduler.helpers import coord, hs, prompt, step
 from tests.hisparse.scheduler.invariants import check_drained, check_invariants
@@ -192,7 +193,7 @@ def test_reused_unpinned_blocks_null_their_owners_pages(build):
     for _ in range(60):
         watched = set(pool._reuse_watchers)
         owners = {b: set(o) for b, o in hs(s).owners.items()}
-        so = s.schedule()
+        so = schedule(s)
         still = set(pool._reuse_watchers)
         s.update_from_output(so, model_output(s, so, w.step(so)))
         check_invariants(s)

@@ -27,6 +27,7 @@ from tests.hisparse.scheduler.harness import (
     make_request,
     model_output,
     run_step,
+    schedule,
 )
 from tests.hisparse.scheduler.helpers import coord, hs, prompt, published_pages
 from tests.hisparse.scheduler.invariants import (
@@ -59,7 +60,7 @@ def test_mtp_under_pressure_backs_drafts_and_publishes_only_final_kv(build, k):
     groups = (*coord(s).resident_group_ids, coord(s).source_group_id, 1)
     steps = 0
     while s.has_unfinished_requests() or s.connector.has_pending_push_work():
-        so = s.schedule()
+        so = schedule(s)
         for req_id, n in so.num_scheduled_tokens.items():
             drafts = so.scheduled_spec_decode_tokens.get(req_id, ())
             request = s.requests[req_id]

@@ -1088,8 +1088,7 @@ class HiSparseCoordinator:
         rows: list[np.ndarray] = []
         # In request-id order: the order the tables changed in depends on
         # when each pass ran (event-driven or in full), the content does not.
-        dirty = sorted(self._dirty, key=_request_id) if len(self._dirty) > 1 else list(self._dirty)
-        for st in dirty:
+        for st in sorted(self._dirty, key=_request_id):
             req_id = st.request_id
             if req_id not in scheduled:
                 continue

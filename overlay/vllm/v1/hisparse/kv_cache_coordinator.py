@@ -50,6 +50,19 @@ from vllm.v1.request import Request
 logger = init_logger(__name__)
 
 
+def output_pages_to_come(
+    num_prompt_tokens: int, max_tokens: int, num_tokens: int, held_pages: int,
+    max_model_len: int, block_size: int,
+) -> int:
+    """R34: the pages a request still grows in each GPU-only group, from
+    what it holds or has reserved (its tokens so far: the in-flight prefill
+    reservation covers them) to min(prompt + max_tokens, max_model_len), at
+    most DECODE_RESERVE_MAX_PAGES."""
+    end = min(num_prompt_tokens + max_tokens, max_model_len)
+    now = max(held_pages, cdiv(num_tokens, block_size))
+    return min(max(cdiv(end, block_size) - now, 0), DECODE_RESERVE_MAX_PAGES)
+
+
 class HiSparseHostBlockPool(BlockPool):
     """The pinned host pool's block accounting (source group only)."""
 
@@ -488,11 +501,9 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         return pages * len(self._growth_group_ids)
 
     def _output_pages_to_come(self, request: Request, held: int) -> int:
-        """Pages from what the request holds or has reserved (its tokens so
-        far: the in-flight prefill reservation covers them) to its end."""
-        end = min(request.num_prompt_tokens + (request.max_tokens or 0), self.max_model_len)
-        now = max(held, cdiv(request.num_tokens, self.scheduler_block_size))
-        return min(max(cdiv(end, self.scheduler_block_size) - now, 0), DECODE_RESERVE_MAX_PAGES)
+        return output_pages_to_come(
+            request.num_prompt_tokens, request.max_tokens or 0, request.num_tokens, held,
+            self.max_model_len, self.scheduler_block_size)
 
     def waits_for_in_flight_blocks(self, request_id: str) -> bool:
         """R26 (F20): the running request's allocation just failed; wait a

@@ -96,6 +96,44 @@ ARMS: dict[str, dict] = {
 }
 
 
+# An arm may cap its running requests: ``hisparse@6`` is the hisparse arm
+# served with ``--max-num-seqs 6`` (the throughput a lower TPOT costs: the
+# levels' other arms keep the run's --max-num-seqs). Our arms only.
+CAP_SEP = "@"
+
+
+def arm_base(arm: str) -> str:
+    return arm.partition(CAP_SEP)[0]
+
+
+def arm_cap(arm: str) -> int | None:
+    """The ``@N`` of a capped arm; None for a plain arm name."""
+    _, sep, n = arm.partition(CAP_SEP)
+    return int(n) if sep and n.isdigit() else None
+
+
+def arm_error(arm: str) -> str | None:
+    """Why ``arm`` names no arm, or None."""
+    base, sep, n = arm.partition(CAP_SEP)
+    if base not in ARMS:
+        return f"unknown arm {arm} (known: {', '.join(ARMS)}, each optionally {CAP_SEP}N)"
+    if sep and (not n.isdigit() or int(n) < 1):
+        return f"arm {arm}: {CAP_SEP} takes a max_num_seqs >= 1"
+    if sep and ARMS[base]["vllm"] != "ours":
+        return f"arm {arm}: only our arms take {CAP_SEP}N"
+    return None
+
+
+class ArmNames:
+    """``in`` for common.name_list: every arm and capped arm."""
+
+    def __contains__(self, arm: str) -> bool:
+        return arm_error(arm) is None
+
+    def __iter__(self):
+        return iter([*ARMS, f"ARM{CAP_SEP}N"])
+
+
 @dataclass(frozen=True)
 class Trace:
     """The reference agentic trace (targets.md P4)."""
@@ -328,8 +366,10 @@ class AgenticConfig:
 
     def validate(self) -> None:
         for a in self.arms:
-            if a not in ARMS:
-                raise ValueError(f"unknown arm {a} (known: {', '.join(ARMS)})")
+            if arm_error(a):
+                raise ValueError(arm_error(a))
+            if (arm_cap(a) or 0) > self.max_num_seqs:
+                raise ValueError(f"arm {a}: caps above --max-num-seqs {self.max_num_seqs}")
         if not self.arms:
             raise ValueError("no arm given")
         fit_check(self.shape(), self.max_model_len)
@@ -373,7 +413,13 @@ class AgenticConfig:
         return fit_summary(self.shape(), convs, self.seed, c, self.max_model_len)
 
     def port(self, arm: str) -> int:
-        return self.port_base + list(ARMS).index(arm)
+        """A plain arm's port is fixed; a capped one's follows the arms."""
+        if arm_cap(arm) is None:
+            return self.port_base + list(ARMS).index(arm)
+        return self.port_base + len(ARMS) + self.arms.index(arm)
+
+    def max_num_seqs_of(self, arm: str) -> int:
+        return arm_cap(arm) or self.max_num_seqs
 
 
 def pressure_hint(cfg: AgenticConfig) -> dict:
@@ -395,8 +441,8 @@ def level_prior_s(cfg: AgenticConfig, arm: str, c: int) -> int:
     grows further), plus the fixed part."""
     s = cfg.shape()
     tokens = cfg.conversations_at(c) * s.turns * s.output
-    sustained = ARMS[arm]["prior_tok_s"][8 if c <= 8 else 16]
-    tok_s = min(sustained, TOK_S_PER_CONVERSATION * min(c, cfg.max_num_seqs))
+    sustained = ARMS[arm_base(arm)]["prior_tok_s"][8 if c <= 8 else 16]
+    tok_s = min(sustained, TOK_S_PER_CONVERSATION * min(c, cfg.max_num_seqs_of(arm)))
     return round(tokens / tok_s + LEVEL_FIXED_S)
 
 
@@ -410,7 +456,7 @@ def estimate_s(cfg: AgenticConfig) -> dict:
     total = starts + sum(sum(v.values()) for v in level.values()) + 20
     profile = 0
     if cfg.profile_level is not None:  # the window's slower steps, the trace's export
-        profile = PROFILE_S * sum(ARMS[a]["vllm"] == "ours" for a in cfg.arms)
+        profile = PROFILE_S * sum(is_ours(a) for a in cfg.arms)
     return {"server_starts_s": starts, "level_s": level, "profile_s": profile,
             "total_s": round(total + profile)}
 
@@ -424,7 +470,12 @@ def offload_config(cfg: AgenticConfig) -> dict:
                                           "cpu_bytes_to_use": int(cfg.offload_gib * GIB)}}
 
 
+def is_ours(arm: str) -> bool:
+    return ARMS[arm_base(arm)]["vllm"] == "ours"
+
+
 def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
+    arm = arm_base(arm)  # a cap is server_command's --max-num-seqs
     force_mqa = json.dumps({"sparse_mla_force_mqa": True})
     if arm == "plain":
         flags = ["--attention-config", force_mqa]
@@ -469,14 +520,14 @@ def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str,
     until then a step costs nothing more; after the window each step still
     passes an idle annotation."""
     profile = []
-    if profile_dir is not None and cfg.profile_level is not None and ARMS[arm]["vllm"] == "ours":
+    if profile_dir is not None and cfg.profile_level is not None and is_ours(arm):
         profile = ["--profiler-config",
                    json.dumps(profiler_config(profile_dir, cfg.profile_steps))]
     return [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
             "--port", str(cfg.port(arm)), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
             "--max-model-len", str(cfg.max_model_len),
-            "--max-num-batched-tokens", str(cfg.chunk), "--max-num-seqs", str(cfg.max_num_seqs),
+            "--max-num-batched-tokens", str(cfg.chunk), "--max-num-seqs", str(cfg.max_num_seqs_of(arm)),
             "--kv-cache-memory-bytes", str(cfg.kv_bytes),
             "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
             "--seed", str(cfg.seed), "--generation-config", "vllm",
@@ -558,7 +609,7 @@ def client_summary(records: Sequence[Mapping], failures: int | None) -> dict:
 
 def _counter_keys(snap: Mapping) -> list[str]:
     return [k for k in snap if (k.endswith("_total") and k not in prom.GAUGES_NAMED_TOTAL)
-            or k in (
+            or k.startswith(prom.HIST_PREFIX) or k in (
         "preemptions", "generation_tokens", "prompt_tokens", "prefix_cache_hits",
         "prefix_cache_queries", "external_prefix_cache_hits",
         "external_prefix_cache_queries") or k.startswith("prompt_tokens_by_source:")]
@@ -612,6 +663,68 @@ def server_summary(snaps: Sequence[tuple[float, Mapping]], t0: float, t1: float)
     h2d = _first(hs, "vllm:hisparse_host_to_device_bytes_total",
                  "vllm:hisparse_host_to_device_bytes")
     out["h2d_bytes"] = h2d if isinstance(h2d, float) else None
+    out["steps"] = step_figures(deltas, dt)
+    return out
+
+
+# A step of at most this many tokens is a decode step (one token per running
+# request: the levels run <= 14 at once under the default budget); a mixed
+# step carries a prefill chunk of hundreds beside them.
+DECODE_STEP_TOKENS_MAX = 32
+# Inter-token latencies above this bound (vLLM's lowest ITL bucket, 10 ms)
+# span a mixed step or a stall; a decode step is 2-5 ms on the tiny model.
+ITL_FAST_S = 0.01
+
+
+def _cumulative(deltas: Mapping, key: str) -> list[tuple[float, float]]:
+    """[(upper bound, cumulative count)] of one histogram's deltas."""
+    pre = prom.hist_key(key, "le=")
+    return sorted((prom.number(k[len(pre):]), v) for k, v in deltas.items()
+                  if k.startswith(pre))
+
+
+def _at(cumulative: Sequence[tuple[float, float]], bound: float) -> float | None:
+    return next((n for b, n in cumulative if b == bound), None)
+
+
+def step_figures(deltas: Mapping, seconds: float) -> dict:
+    """The engine's steps over a level, from vLLM's own histograms (no
+    profiler): how many, tokens per step, the decode-only share, the mean
+    step (the window over the steps: an upper bound, idle time counts), and
+    the inter-token latencies (TPOT's parts): how many, their mean, the
+    share over 10 ms and the time those take, bounded below and above by
+    their buckets' edges, and so the mean of the fast ones (a decode step
+    as a running request sees it). Empty where the server exports neither
+    histogram."""
+    out: dict = {}
+    steps = deltas.get(prom.hist_key("iteration_tokens", "count"))
+    if steps:
+        tokens = deltas.get(prom.hist_key("iteration_tokens", "sum")) or 0.0
+        small = _at(_cumulative(deltas, "iteration_tokens"), DECODE_STEP_TOKENS_MAX)
+        out.update(engine_steps=steps, tokens_per_step_mean=round(tokens / steps, 2),
+                   step_ms_mean_upper=round(seconds * 1e3 / steps, 3) if seconds > 0 else None,
+                   decode_step_share=round(small / steps, 4) if small is not None else None)
+    count = deltas.get(prom.hist_key("itl", "count"))
+    total = deltas.get(prom.hist_key("itl", "sum"))
+    cum = _cumulative(deltas, "itl")
+    fast = _at(cum, ITL_FAST_S)
+    if count and total and fast is not None:
+        lo = hi = 0.0
+        prev_b, prev_n = ITL_FAST_S, fast
+        for b, n in cum:
+            if b <= ITL_FAST_S:
+                continue
+            if n > prev_n:  # (an empty +Inf bucket would add 0 x inf)
+                lo += (n - prev_n) * prev_b
+                hi += (n - prev_n) * b  # inf past the last finite bucket
+            prev_b, prev_n = b, n
+        fast_ms = sorted(((total - x) / fast * 1e3) for x in (lo, min(hi, total))) \
+            if fast else None
+        out["itl"] = {
+            "count": count, "mean_ms": round(total / count * 1e3, 3),
+            "over_10ms_share": round((count - fast) / count, 4),
+            "over_10ms_time_share": [round(lo / total, 4), round(min(hi, total) / total, 4)],
+            "fast_mean_ms": [round(x, 3) for x in fast_ms] if fast_ms else None}
     return out
 
 
@@ -666,7 +779,8 @@ def build_report(*, cfg: AgenticConfig | None, command: str | None, arms: dict,
                      "server_chars_per_token": SERVER_CHARS_PER_TOKEN,
                      "margin_tokens": MARGIN_TOKENS,
                      "pressure_hint": pressure_hint(cfg) if cfg else None},
-        "arm_docs": {a: ARMS[a]["doc"] for a in ARMS},
+        "arm_docs": {**{a: ARMS[a]["doc"] for a in ARMS},
+                     f"ARM{CAP_SEP}N": "ARM served with --max-num-seqs N"},
         "runs": runs,
         "arms": arms,
         "levels": levels,
@@ -711,4 +825,6 @@ def tax_verdict(tax_report: Mapping | None) -> dict | None:
 
 
 def arms_in(levels: Iterable[Mapping]) -> list[str]:
-    return [a for a in ARMS if any(lv["arm"] == a for lv in levels)]
+    """The levels' arms in ARMS' order, a capped arm after its base by cap."""
+    names = {lv["arm"] for lv in levels}
+    return sorted(names, key=lambda a: (list(ARMS).index(arm_base(a)), arm_cap(a) or 0))

@@ -57,8 +57,8 @@ def render(report: Mapping, out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for arm, pts in throughput_points(report).items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=arm,
-                color=COLORS.get(arm))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if "@" not in arm else "s--",
+                label=arm, color=_color(arm))
         for x, y, c in pts:
             ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
@@ -79,7 +79,7 @@ def render(report: Mapping, out_dir: Path) -> list[Path]:
     for ax, (c, arms) in zip(axes[:, 0], panels.items()):
         for arm, pts in arms.items():
             ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=arm,
-                    color=COLORS.get(arm))
+                    color=_color(arm), linestyle="-" if "@" not in arm else "--")
         ax.axhline(c, color="black", linestyle=":", linewidth=0.8)
         ax.set_ylabel("running")
         ax.set_title(f"concurrency {c}", fontsize=9)
@@ -93,6 +93,11 @@ def render(report: Mapping, out_dir: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
     return written
+
+
+def _color(arm: str) -> str | None:
+    """A capped arm (``hisparse@6``) takes its base arm's color."""
+    return COLORS.get(arm.partition("@")[0])
 
 
 def _title(report: Mapping) -> str:

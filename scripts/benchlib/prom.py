@@ -8,6 +8,7 @@ label_values(samples, name, label)
                      the values one label takes in a series (e.g. the
                      ``num_gpu_blocks`` of ``vllm:cache_config_info``)
 snapshot(text)       the figures bench-agentic follows over time, one dict
+                     (with the cumulative buckets of HISTOGRAMS)
 
 Counters are exposed with a ``_total`` suffix (prometheus_client), so
 ``vllm:num_preemptions`` reads as ``vllm:num_preemptions_total``.
@@ -35,7 +36,7 @@ def _unescape(s: str) -> str:
     return re.sub(r'\\[\\"n]', lambda m: _ESCAPES[m.group(0)], s)
 
 
-def _value(text: str) -> float:
+def number(text: str) -> float:
     special = {"NaN": math.nan, "+Inf": math.inf, "Inf": math.inf, "-Inf": -math.inf}
     return special[text] if text in special else float(text)
 
@@ -74,7 +75,7 @@ def parse_line(line: str) -> Sample | None:
     if not parts:
         return None
     try:
-        return Sample(name, labels, _value(parts[0]))
+        return Sample(name, labels, number(parts[0]))
     except ValueError:
         return None
 
@@ -114,15 +115,44 @@ FOLLOWED = {
 }
 
 
+# Histograms whose cumulative buckets bench-agentic takes deltas of (key ->
+# series): the engine's steps by tokens (count = steps, a decode step has
+# one token per running request, a mixed one a prefill chunk beside them)
+# and the inter-token latencies the engine stamps (TPOT's parts).
+HISTOGRAMS = {
+    "iteration_tokens": "vllm:iteration_tokens_total",
+    "itl": "vllm:inter_token_latency_seconds",
+}
+HIST_PREFIX = "hist:"
+
+
+def hist_key(key: str, part: str) -> str:
+    """Snapshot key of one histogram part: ``le=<bound>``, ``count``, ``sum``."""
+    return f"{HIST_PREFIX}{key}:{part}"
+
+
+def _hist_part(s: Sample) -> str | None:
+    for key, name in HISTOGRAMS.items():
+        if s.name == f"{name}_bucket" and "le" in s.labels:
+            return hist_key(key, f"le={s.labels['le']}")
+        if s.name in (f"{name}_count", f"{name}_sum"):
+            return hist_key(key, s.name.rsplit("_", 1)[1])
+    return None
+
+
 def snapshot(text: str) -> dict[str, float | None]:
     """The followed figures (None where absent) plus every
     ``vllm:hisparse_*`` series (``_created`` timestamps dropped), summed
-    over engines, and the prompt tokens by source
-    (``prompt_tokens_by_source:<source>``)."""
+    over engines, the prompt tokens by source
+    (``prompt_tokens_by_source:<source>``) and the HISTOGRAMS' cumulative
+    buckets, count and sum (``hist:<key>:<part>``)."""
     samples = parse(text)
     out: dict[str, float | None] = {k: total(samples, n) for k, n in FOLLOWED.items()}
     for s in samples:
-        if s.name.startswith(HISPARSE_PREFIX) and not s.name.endswith("_created"):
+        part = _hist_part(s)
+        if part is not None:
+            out[part] = (out.get(part) or 0.0) + s.value
+        elif s.name.startswith(HISPARSE_PREFIX) and not s.name.endswith("_created"):
             out[s.name] = (out.get(s.name) or 0.0) + s.value
         elif s.name == "vllm:prompt_tokens_by_source_total" and "source" in s.labels:
             key = f"prompt_tokens_by_source:{s.labels['source']}"

@@ -5,11 +5,27 @@ histograms, the cache_config_info gauge), plus HiSparse's series as the
 metrics branch names them (vllm:hisparse_*), for the parser's tests."""
 
 
+def histogram(name: str, lab: str, cumulative: dict, total: float) -> list[str]:
+    """A prometheus_client histogram: cumulative buckets by upper bound
+    (``+Inf`` last), count and sum."""
+    out = [f"# TYPE {name} histogram"]
+    out += [f'{name}_bucket{{{lab},le="{le}"}} {n}' for le, n in cumulative.items()]
+    out += [f"{name}_count{{{lab}}} {list(cumulative.values())[-1]}",
+            f"{name}_sum{{{lab}}} {total}", f"{name}_created{{{lab}}} 1.7649e+09"]
+    return out
+
+
 def metrics_text(running=3.0, waiting=1.0, preemptions=2.0, generation=1000.0, hits=90.0,
-                 lookups=100.0, h2d=65600.0, engines=("0",)) -> str:
+                 lookups=100.0, h2d=65600.0, engines=("0",), steps=None, itl=None) -> str:
+    """``steps`` / ``itl``: (cumulative buckets {le: count}, sum) of
+    vLLM's iteration-tokens and inter-token-latency histograms."""
     out = []
     for e in engines:
         lab = f'engine="{e}",model_name="tiny"'
+        if steps is not None:
+            out += histogram("vllm:iteration_tokens_total", lab, *steps)
+        if itl is not None:
+            out += histogram("vllm:inter_token_latency_seconds", lab, *itl)
         out += [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",

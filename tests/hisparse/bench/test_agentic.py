@@ -102,6 +102,9 @@ def test_jitter_averages_out_to_the_target():
     (dict(kv_bytes=32 * agentic.MIB), "cannot hold one max_model_len request"),
     (dict(index_topk_freq=0), "index-topk-freq"), (dict(index_topk_freq=5), "index-topk-freq"),
     (dict(arms=["hisparse", "hisparse_pf"]), "hisparse_pf needs --index-topk-freq > 1"),
+    (dict(arms=["upstream@4"]), "only our arms"), (dict(arms=["hisparse@0"]), "max_num_seqs >= 1"),
+    (dict(arms=["hisparse@x"]), "max_num_seqs >= 1"), (dict(arms=["nope@4"]), "unknown arm"),
+    (dict(arms=["hisparse@65"]), "caps above --max-num-seqs 64"),
 ])
 def test_config_refuses(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -185,7 +188,7 @@ def test_prepare_model_removes_eos_and_special_tokens_and_adds_a_template(tmp_pa
 # ------------------------------------------------------ command lines
 
 
-@pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf"])
+@pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf", "hisparse@6"])
 def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     """`vllm serve`'s own parser and EngineArgs -> VllmConfig (CPU
     platform): same budget and limits everywhere; the connector and
@@ -211,14 +214,15 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     vc = ea.create_engine_config()
     assert args.port == c.port(arm) and args.served_model_name == [agentic.SERVED_NAME]
     assert vc.cache_config.kv_cache_memory_bytes == c.kv_bytes
-    assert vc.scheduler_config.max_num_seqs == c.max_num_seqs
+    assert vc.scheduler_config.max_num_seqs == (6 if arm == "hisparse@6" else c.max_num_seqs)
     assert args.max_num_batched_tokens == c.chunk  # the CPU platform resizes it in vc
     assert vc.attention_config.sparse_mla_force_mqa is True
     hs = vc.attention_config.hisparse_config
     assert (hs is not None) == arm.startswith("hisparse")
     connector = vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None
     assert connector == {"plain": None, "offload": "OffloadingConnector",
-                         "hisparse": "MultiConnector", "hisparse_pf": "MultiConnector"}[arm]
+                         "hisparse": "MultiConnector", "hisparse_pf": "MultiConnector",
+                         "hisparse@6": "MultiConnector"}[arm]
     if hs is not None:
         assert hs.host_pool_gib == c.host_pool_gib
         assert hs.prefetch_followers == (arm == "hisparse_pf")
@@ -383,6 +387,53 @@ def test_server_summary_time_weights_running_and_takes_deltas():
     assert s["prefix_cache_hit_rate"] is None  # no query between the samples
     assert s["prompt_tokens_by_source"]["local_compute"] == 0.0
     assert agentic.server_summary([], 0, 1) == {}
+
+
+def test_server_summary_splits_the_steps_and_the_inter_token_latencies():
+    """P5's where the time goes without a profiler: vLLM's step and ITL
+    histograms over the level give the steps, the decode-only share, and
+    the fast intervals' mean bounded by the slow buckets' edges."""
+    zero_steps, zero_itl = ({"16": 0, "32": 0, "64": 0, "+Inf": 0}, 0.0), \
+        ({"0.01": 0, "0.025": 0, "0.05": 0, "+Inf": 0}, 0.0)
+    # 100 steps over 0.5 s: 90 decode steps of 8 tokens, 10 mixed of 400
+    steps = ({"16": 90, "32": 90, "64": 90, "+Inf": 100}, 90 * 8 + 10 * 400)
+    # ITL: 90 at 3 ms, 8 at 20 ms, 2 at 40 ms
+    itl = ({"0.01": 90, "0.025": 98, "0.05": 100, "+Inf": 100}, 90 * 0.003 + 8 * 0.02 + 2 * 0.04)
+    snaps = snaps_of([(0.0, dict(steps=zero_steps, itl=zero_itl)),
+                      (0.5, dict(steps=steps, itl=itl))])
+    st = agentic.server_summary(snaps, 0.0, 0.5)["steps"]
+    assert st["engine_steps"] == 100 and st["tokens_per_step_mean"] == pytest.approx(47.2)
+    assert st["decode_step_share"] == pytest.approx(0.9)
+    assert st["step_ms_mean_upper"] == pytest.approx(5.0)
+    i = st["itl"]
+    assert i["count"] == 100 and i["mean_ms"] == pytest.approx(5.1)
+    assert i["over_10ms_share"] == pytest.approx(0.1)
+    lo, hi = (8 * 0.01 + 2 * 0.025) / 0.51, (8 * 0.025 + 2 * 0.05) / 0.51
+    assert i["over_10ms_time_share"] == pytest.approx([lo, hi], abs=1e-4)
+    fast_lo, fast_hi = i["fast_mean_ms"]
+    assert fast_lo < 3.0 < fast_hi  # the true 3 ms lies within the bounds
+    assert fast_lo == pytest.approx((0.51 - 0.3) / 90 * 1e3, abs=1e-3)
+    # a server without the histograms: no step figures, nothing invented
+    plain = snaps_of([(0.0, {}), (1.0, {})])
+    assert agentic.server_summary(plain, 0.0, 1.0)["steps"] == {}
+
+
+def test_a_capped_arm_is_its_base_arm_with_fewer_running_requests():
+    """``hisparse@6``: the hisparse arm's flags, its own port, --max-num-seqs
+    6 (the other arms keep the run's), ordered after its base in reports."""
+    c = cfg(arms=["offload", "hisparse", "hisparse@6", "hisparse@3"], concurrency=[32])
+    capped = agentic.server_command("hisparse@6", c, "p", "/m")
+    base = agentic.server_command("hisparse", c, "p", "/m")
+    seqs = lambda cmd: cmd[cmd.index("--max-num-seqs") + 1]  # noqa: E731
+    assert (seqs(capped), seqs(base)) == ("6", str(c.max_num_seqs))
+    assert agentic.arm_flags("hisparse@6", c) == agentic.arm_flags("hisparse", c)
+    assert len({c.port(a) for a in c.arms}) == len(c.arms)
+    levels = [{"arm": a, "concurrency": 32} for a in ("hisparse@6", "offload", "hisparse@3",
+                                                       "hisparse")]
+    assert agentic.arms_in(levels) == ["offload", "hisparse", "hisparse@3", "hisparse@6"]
+    # a capped arm's prior counts its own cap: fewer tokens/s, a longer level
+    assert agentic.level_prior_s(c, "hisparse@3", 32) > agentic.level_prior_s(c, "hisparse", 32)
+    assert "hisparse@6" in agentic.ArmNames() and "upstream@6" not in agentic.ArmNames()
 
 
 def test_server_summary_without_hisparse_series():

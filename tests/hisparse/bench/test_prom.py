@@ -64,3 +64,21 @@ def test_snapshot_of_a_server_without_hisparse_or_some_series():
     snap = prom.snapshot('vllm:num_requests_running{engine="0"} 1\n')
     assert snap["running"] == 1.0 and snap["preemptions"] is None
     assert not [k for k in snap if k.startswith(prom.HISPARSE_PREFIX)]
+
+
+def test_snapshot_keeps_the_step_histograms_buckets_summed_over_engines():
+    """bench-agentic's step figures (P5's where the time goes) read vLLM's
+    iteration-tokens and inter-token-latency histograms: every cumulative
+    bucket, count and sum, per engine summed; ``_created`` is not a part."""
+    text = metrics_text(engines=("0", "1"),
+                        steps=({"16": 90, "32": 95, "+Inf": 100}, 2400.0),
+                        itl=({"0.01": 80, "0.025": 90, "+Inf": 100}, 0.9))
+    snap = prom.snapshot(text)
+    it, itl = (lambda part: snap[prom.hist_key("iteration_tokens", part)],
+               lambda part: snap[prom.hist_key("itl", part)])
+    assert (it("le=16"), it("le=32"), it("le=+Inf"), it("count"), it("sum")) == (
+        180, 190, 200, 200, 4800.0)
+    assert (itl("le=0.01"), itl("count"), itl("sum")) == (160, 200, 1.8)
+    assert not [k for k in snap if k.endswith("created")]
+    # a series of another histogram (TTFT) stays out
+    assert not [k for k in snap if "time_to_first" in k]

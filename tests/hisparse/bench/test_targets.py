@@ -97,6 +97,22 @@ def test_p5_uses_the_highest_level_the_baseline_sustains():
     assert T.p5(timed_out)["pass"] is None
 
 
+def test_p5_reports_the_capped_hisparse_arms_beside_its_verdict():
+    """hisparse@N (bench-agentic's running-request cap) at P5's level: its
+    ratios to the baseline and whether that setting meets both bounds; the
+    verdict stays the uncapped arm's."""
+    levels = [lv("offload", 32, 3, tok_s=100, tpot=2.0), lv("hisparse", 32, 9, tok_s=200, tpot=3.4),
+              lv("hisparse@4", 32, 4, tok_s=150, tpot=2.0),
+              lv("hisparse@6", 32, 6, tok_s=205, tpot=1.9)]
+    v = T.p5(levels)
+    assert v["pass"] is False and v["measured"]["tpot_ratio"] == pytest.approx(1.7)
+    capped = v["measured"]["capped"]
+    assert capped["hisparse@4"]["throughput_ratio"] == pytest.approx(1.5)
+    assert capped["hisparse@4"]["meets_both"] is False
+    assert capped["hisparse@6"]["meets_both"] is True
+    assert capped["hisparse@6"]["tpot_ratio"] == pytest.approx(0.95)
+
+
 def test_p8_every_level_and_the_tax():
     levels = [lv("hisparse", 4, 4, tok_s=200, tpot=5), lv("upstream", 4, 4, tok_s=150, tpot=6),
               lv("hisparse", 8, 8, tok_s=300, tpot=7), lv("upstream", 8, 8, tok_s=250, tpot=8)]

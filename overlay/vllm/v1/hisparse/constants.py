@@ -16,6 +16,12 @@ from vllm.config.hisparse import MAX_DEVICE_BUFFER_SIZE
 # an agentic turn's answer fits; a request without max_tokens, whose limit
 # is the context length, does not hold back a whole context's worth).
 DECODE_RESERVE_MAX_PAGES = 32
+# An admission that failed for lack of blocks is not looked up again while
+# the blocks available to it are no more than at the failure, for at most
+# this many steps (docs/residency.md R35): its prefix lookups cost ~1 ms a
+# step on the serving host, and a bound keeps a prefix hit that grew in the
+# meantime (a publication) from waiting long.
+ADMISSION_RETRY_STEPS = 8
 
 # Tail pages of every request that are never unpinned (INV-20, spec 4.5). The
 # resident admission cap adds them on top of the in-flight window (spec 2.4).

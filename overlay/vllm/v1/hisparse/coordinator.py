@@ -182,6 +182,9 @@ class HiSparseSchedulerStats:
     waits_for_in_flight: int = 0
     """Scheduling attempts that waited for in-flight copies instead of
     preempting (R26)."""
+    admission_backoffs: int = 0
+    """Steps on which the waiting head was not looked up again: the blocks
+    available to it were no more than when it last failed (R35)."""
     staging_deferrals: int = 0
     """Short chunks deferred a step because this step's staged pages would
     exceed the in-slab staging blocks (R28, F21)."""

@@ -37,7 +37,11 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
 )
 from vllm.v1.hisparse.block_pool import UnpinBlockPool
-from vllm.v1.hisparse.constants import DECODE_RESERVE_MAX_PAGES, HOST_WRITER_RANK
+from vllm.v1.hisparse.constants import (
+    ADMISSION_RETRY_STEPS,
+    DECODE_RESERVE_MAX_PAGES,
+    HOST_WRITER_RANK,
+)
 from vllm.v1.hisparse.coordinator import HiSparseCoordinator
 from vllm.v1.hisparse.kv_cache_config import HiSparseKVCacheConfig
 from vllm.v1.hisparse.managers import (
@@ -266,6 +270,10 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
         self._staged_this_step = 0
         self._staging_claim: tuple[str, int] | None = None
         self._staging_full: str | None = None
+        # R35: the last admission that failed for lack of blocks (request
+        # id, blocks available to it then, step), and the step count.
+        self._admission_failure: tuple[str, int, int] | None = None
+        self._steps = 0
 
     def _replace_hisparse_managers(self, config: HiSparseKVCacheConfig) -> None:
         """Swap the registry's default managers of the HiSparse groups for
@@ -500,6 +508,37 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
                 pages += self._output_pages_to_come(other, len(lead.get(other.request_id, ())))
         return pages * len(self._growth_group_ids)
 
+    def admission_failed(self, request: Request, reserved_blocks: int) -> None:
+        """R35: ``request``'s admission found too few blocks beside
+        ``reserved_blocks`` (the scheduler's in-flight reservations and
+        R34's). Not for R28's staging refusal: that one clears next step."""
+        if self._staging_full == request.request_id:
+            return
+        available = self.block_pool.get_num_free_blocks() - reserved_blocks
+        self._admission_failure = (request.request_id, available, self._steps)
+
+    def admission_backs_off(self, request: Request, inflight_reserved: int) -> bool:
+        """R35: skip this step's attempt to admit ``request`` (its prefix
+        lookups and allocation) when it failed for lack of blocks within
+        the last ADMISSION_RETRY_STEPS steps and the blocks available to it
+        (free, less ``inflight_reserved`` and R34's reserve) are no more
+        than then: the same lookups would find the same shortage. A block
+        released (a request finished, a page given up net of its
+        replacement) makes it try at once; the bound covers a need that
+        shrank instead (a prefix hit published meanwhile). Safe either way:
+        a skipped attempt only waits, as a failed one does."""
+        failure = self._admission_failure
+        if failure is None or failure[0] != request.request_id:
+            return False
+        if self._steps - failure[2] >= ADMISSION_RETRY_STEPS:
+            return False
+        available = (self.block_pool.get_num_free_blocks() - inflight_reserved
+                     - self.admission_reserve_blocks(request))
+        if available > failure[1]:
+            return False
+        self.hisparse.stats.admission_backoffs += 1
+        return True
+
     def _output_pages_to_come(self, request: Request, held: int) -> int:
         return output_pages_to_come(
             request.num_prompt_tokens, request.max_tokens or 0, request.num_tokens, held,
@@ -524,6 +563,7 @@ class HiSparseKVCacheCoordinator(HybridKVCacheCoordinator):
 
     def new_step_starts(self) -> None:
         super().new_step_starts()
+        self._steps += 1
         self._give_up = self._shortfall = None
         self._staged_this_step = 0
         self._staging_claim = self._staging_full = None

@@ -91,6 +91,11 @@ ARMS: dict[str, dict] = {
     "hisparse_pf": {"vllm": "ours", "prior_tok_s": {8: 950, 16: 950}, "doc": "as hisparse, with prefetch_followers=true (the "
                                            "followers' gathers on a copy stream; needs "
                                            "--index-topk-freq > 1 to have followers)"},
+    "hisparse_nobackoff": {"vllm": "ours", "prior_tok_s": {8: 1500, 16: 1500},
+                           "ablate": "admission_backoff",
+                           "doc": "as hisparse, with R35's admission back-off off (an "
+                                  "ablation: HISPARSE_ABLATE through the bench's plugin): "
+                                  "every step retries a failed admission's lookups"},
     "upstream": {"vllm": "upstream", "prior_tok_s": {8: 820, 16: 820}, "doc": "upstream vLLM 0.30.0's HiSparse "
                                             "(HiSparseConnector, model runner V2)"},
 }
@@ -100,6 +105,8 @@ ARMS: dict[str, dict] = {
 # served with ``--max-num-seqs 6`` (the throughput a lower TPOT costs: the
 # levels' other arms keep the run's --max-num-seqs). Our arms only.
 CAP_SEP = "@"
+# tests/e2e/seeded_weights (the bench's vLLM plugin) reads it.
+ABLATE_ENV = "HISPARSE_ABLATE"
 
 
 def arm_base(arm: str) -> str:
@@ -470,6 +477,16 @@ def offload_config(cfg: AgenticConfig) -> dict:
                                           "cpu_bytes_to_use": int(cfg.offload_gib * GIB)}}
 
 
+def arm_env(arm: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The arm's server environment: ``env``, with the arm's ablation (the
+    bench's plugin turns it off in the server's processes) or none."""
+    out = {k: v for k, v in env.items() if k != ABLATE_ENV}
+    ablate = ARMS[arm_base(arm)].get("ablate")
+    if ablate:
+        out[ABLATE_ENV] = ablate
+    return out
+
+
 def is_ours(arm: str) -> bool:
     return ARMS[arm_base(arm)]["vllm"] == "ours"
 
@@ -482,7 +499,7 @@ def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
     elif arm == "offload":
         flags = ["--attention-config", force_mqa,
                  "--kv-transfer-config", json.dumps(offload_config(cfg))]
-    elif arm in ("hisparse", "hisparse_pf"):
+    elif arm in ("hisparse", "hisparse_pf", "hisparse_nobackoff"):
         hs = {"host_pool_gib": cfg.host_pool_gib}
         if arm == "hisparse_pf":
             hs["prefetch_followers"] = True

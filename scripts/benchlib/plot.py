@@ -18,7 +18,8 @@ from pathlib import Path
 THROUGHPUT_PNG = "bench-agentic-throughput.png"
 RUNNING_PNG = "bench-agentic-running.png"
 COLORS = {"plain": "tab:gray", "offload": "tab:blue", "hisparse": "tab:red",
-          "hisparse_pf": "tab:orange", "upstream": "tab:green"}
+          "hisparse_pf": "tab:orange", "hisparse_nobackoff": "tab:purple",
+          "upstream": "tab:green"}
 
 
 def throughput_points(report: Mapping) -> dict[str, list[tuple[float, float, int]]]:

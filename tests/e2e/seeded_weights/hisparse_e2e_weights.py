@@ -14,6 +14,11 @@ With ``HISPARSE_E2E_SCHEDULE_TRACE=<path>`` it also records the schedule of
 every scheduler the process builds (the server's engine core), one JSON
 line per step (tests/e2e/schedule_replay.py): the soak's off arm follows
 it (docs/worker.md K28).
+
+With ``HISPARSE_ABLATE=<name>[,<name>]`` it turns a named HiSparse
+behaviour off in this process, for a benchmark's ablation arm (the same
+build beside its normal arm on one machine): ``admission_backoff``, R35
+(docs/residency.md; bench-agentic's ``hisparse_nobackoff``).
 """
 
 import json
@@ -23,6 +28,29 @@ from pathlib import Path
 
 _E2E = str(Path(__file__).resolve().parents[1])
 TRACE_ENV = "HISPARSE_E2E_SCHEDULE_TRACE"
+ABLATE_ENV = "HISPARSE_ABLATE"
+
+
+def _no_admission_backoff() -> None:
+    from vllm.v1.hisparse import kv_cache_coordinator
+
+    kv_cache_coordinator.ADMISSION_RETRY_STEPS = 0  # every step retries
+
+
+ABLATIONS = {"admission_backoff": _no_admission_backoff}
+
+
+def apply_ablations(spec: str) -> list[str]:
+    """Turn off the behaviours ``spec`` names (comma-separated); an
+    unknown name is an error, not a silent no-op."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(ABLATIONS))
+    if unknown:
+        raise ValueError(f"{ABLATE_ENV}: unknown ablation(s) {unknown} "
+                         f"(known: {sorted(ABLATIONS)})")
+    for name in names:
+        ABLATIONS[name]()
+    return names
 
 
 def register() -> None:
@@ -38,6 +66,9 @@ def register() -> None:
         trace_schedulers(os.environ[TRACE_ENV])
 
     logger = init_logger(__name__)
+    if os.environ.get(ABLATE_ENV):
+        logger.warning("HiSparse ablated in this process: %s",
+                       apply_ablations(os.environ[ABLATE_ENV]))
 
     @register_model_loader("hisparse_seeded")
     class SeededDummyLoader(DummyModelLoader):

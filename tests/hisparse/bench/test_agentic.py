@@ -188,7 +188,8 @@ def test_prepare_model_removes_eos_and_special_tokens_and_adds_a_template(tmp_pa
 # ------------------------------------------------------ command lines
 
 
-@pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf", "hisparse@6"])
+@pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf", "hisparse@6",
+                                 "hisparse_nobackoff"])
 def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     """`vllm serve`'s own parser and EngineArgs -> VllmConfig (CPU
     platform): same budget and limits everywhere; the connector and
@@ -222,7 +223,8 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     connector = vc.kv_transfer_config.kv_connector if vc.kv_transfer_config else None
     assert connector == {"plain": None, "offload": "OffloadingConnector",
                          "hisparse": "MultiConnector", "hisparse_pf": "MultiConnector",
-                         "hisparse@6": "MultiConnector"}[arm]
+                         "hisparse@6": "MultiConnector",
+                         "hisparse_nobackoff": "MultiConnector"}[arm]
     if hs is not None:
         assert hs.host_pool_gib == c.host_pool_gib
         assert hs.prefetch_followers == (arm == "hisparse_pf")
@@ -434,6 +436,34 @@ def test_a_capped_arm_is_its_base_arm_with_fewer_running_requests():
     # a capped arm's prior counts its own cap: fewer tokens/s, a longer level
     assert agentic.level_prior_s(c, "hisparse@3", 32) > agentic.level_prior_s(c, "hisparse", 32)
     assert "hisparse@6" in agentic.ArmNames() and "upstream@6" not in agentic.ArmNames()
+
+
+def test_the_ablation_arm_turns_r35_off_through_vllms_plugin_loading():
+    """hisparse_nobackoff: the hisparse arm's flags, its servers' processes
+    with HISPARSE_ABLATE set (no other arm's), and vLLM's own general-plugin
+    loading in a fresh process (as the engine core's) then runs every
+    admission attempt (ADMISSION_RETRY_STEPS 0); unknown names refuse."""
+    c = cfg(arms=["hisparse", "hisparse_nobackoff"])
+    assert agentic.arm_flags("hisparse_nobackoff", c) == agentic.arm_flags("hisparse", c)
+    base = {"PATH": "/bin", agentic.ABLATE_ENV: "left over"}
+    assert agentic.arm_env("hisparse", base) == {"PATH": "/bin"}
+    assert agentic.arm_env("hisparse_nobackoff", base)[agentic.ABLATE_ENV] == "admission_backoff"
+    probe = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+             "from vllm.v1.hisparse import kv_cache_coordinator as k; "
+             "print('steps', k.ADMISSION_RETRY_STEPS)")
+
+    def run(env_extra):
+        env = common.child_env(variant="n02", in_process=True)
+        env.pop(agentic.ABLATE_ENV, None)
+        env.update(env_extra)
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    on, off = run({}), run(agentic.arm_env("hisparse_nobackoff", {}))
+    assert "steps 8" in on.stdout, on.stderr[-2000:]
+    assert "steps 0" in off.stdout, off.stderr[-2000:]
+    bad = run({agentic.ABLATE_ENV: "nonsense"})
+    assert bad.returncode != 0 and "unknown ablation" in bad.stderr
 
 
 def test_server_summary_without_hisparse_series():

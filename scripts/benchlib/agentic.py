@@ -373,8 +373,9 @@ class AgenticConfig:
 
     def validate(self) -> None:
         for a in self.arms:
-            if arm_error(a):
-                raise ValueError(arm_error(a))
+            err = arm_error(a)
+            if err:
+                raise ValueError(err)
             if (arm_cap(a) or 0) > self.max_num_seqs:
                 raise ValueError(f"arm {a}: caps above --max-num-seqs {self.max_num_seqs}")
         if not self.arms:

@@ -91,6 +91,7 @@ ZERO_WITHOUT_PRESSURE = (
     "vllm:hisparse_l3_lookups_total",
     "vllm:hisparse_host_to_device_bytes_total",
     "vllm:hisparse_scheduler_waits_total",
+    "vllm:hisparse_admission_backoffs_total",
     "vllm:hisparse_live_hot_regions",
     "vllm:hisparse_staging_blocks_used",
 )

@@ -54,7 +54,8 @@ def arms(pressure_delta: dict, calm_after: dict) -> dict:
                               "vllm:hisparse_l3_lookups_total",
                               "vllm:hisparse_lost_pages_total",
                               "vllm:hisparse_host_to_device_bytes_total",
-                              "vllm:hisparse_scheduler_waits_total")}
+                              "vllm:hisparse_scheduler_waits_total",
+                              "vllm:hisparse_admission_backoffs_total")}
     calm = {**every, **calm_after}
     return {
         "pressure": {"delta": pressure_delta, "after": {**every, **pressure_delta}},

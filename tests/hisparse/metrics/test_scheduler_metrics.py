@@ -138,6 +138,7 @@ def test_under_pressure_the_counters_move_and_match_the_coordinator(build):
     assert c[m.SCHEDULER_WAITS] == co.stats.waits_for_in_flight
     assert c[m.STAGING_DEFERRALS] == co.stats.staging_deferrals
     assert c[m.PUBLICATION_WAITS] == co.stats.publication_waits
+    assert c[m.ADMISSION_BACKOFFS] == co.stats.admission_backoffs > 0
     assert peak[m.PENDING_SPILLS] > 0 and peak[m.HOST_BLOCKS_USED] > 0
     assert 0 < peak[m.HOST_CACHE_USAGE_PERC] <= 1
     last = last_report(stats)[m.GAUGE]
@@ -163,6 +164,7 @@ def test_without_pressure_the_pressure_metrics_stay_zero(build):
     c = total.data[m.COUNTER]
     assert c[m.LOST_PAGES] == 0 and c[m.SCHEDULER_WAITS] == 0
     assert c[m.STAGING_DEFERRALS] == 0 and c[m.PUBLICATION_WAITS] == 0
+    assert c[m.ADMISSION_BACKOFFS] == 0
     assert c[m.SPILLS_COMPLETED] > 0 and peak[m.HOST_BLOCKS_USED] > 0
     assert hs(s).stats.pages_unpinned == 0
     # P2: the steady decode steps in between moved nothing and sent nothing.

@@ -86,6 +86,7 @@ STAGING_BLOCKS_USED = "vllm:hisparse_staging_blocks_used"
 SCHEDULER_WAITS = "vllm:hisparse_scheduler_waits"
 STAGING_DEFERRALS = "vllm:hisparse_staging_deferrals"
 PUBLICATION_WAITS = "vllm:hisparse_publication_waits"
+ADMISSION_BACKOFFS = "vllm:hisparse_admission_backoffs"
 IMPORT_DEVICE_PAGES = "vllm:hisparse_import_device_pages"
 IMPORT_HOST_PAGES = "vllm:hisparse_import_host_pages"
 IMPORT_WAITS = "vllm:hisparse_import_waits"
@@ -188,6 +189,13 @@ METRICS: dict[str, MetricSpec] = {
             PUBLICATION_WAITS, COUNTER,
             "Admissions deferred a step because the request's prefix hit "
             "stopped at a page a finished request was still publishing.",
+            "scheduler",
+        ),
+        MetricSpec(
+            ADMISSION_BACKOFFS, COUNTER,
+            "Steps on which the waiting head's admission was not attempted: "
+            "it failed for lack of GPU blocks and no more blocks were "
+            "available to it since (R35).",
             "scheduler",
         ),
         MetricSpec(
@@ -343,6 +351,7 @@ _SCHEDULER_COUNTERS: tuple[tuple[str, str], ...] = (
     (SCHEDULER_WAITS, "waits_for_in_flight"),
     (STAGING_DEFERRALS, "staging_deferrals"),
     (PUBLICATION_WAITS, "publication_waits"),
+    (ADMISSION_BACKOFFS, "admission_backoffs"),
     (IMPORT_DEVICE_PAGES, "import_device_pages"),
     (IMPORT_HOST_PAGES, "import_host_pages"),
     (IMPORT_WAITS, "import_waits"),

@@ -6,6 +6,7 @@ the tool's run, summaries, verdicts, the JSON, --merge-with, --plot,
 vLLM's multi-turn tool (fake_multi_turn.py)."""
 
 import json
+import os
 import shutil
 import socket
 import sys
@@ -251,3 +252,37 @@ def test_profile_level_summarizes_the_engines_trace(agentic_cmd, tmp_path):
     assert rep["targets"]["P5"]["measured"]["at_concurrency"] == 2  # level 3 is profiled
     assert set(rep["targets"]["P4"]["measured"]["levels"]["3"]) == {"upstream"}
     assert "--profiler-config" in rep["arms"]["hisparse"]["command"]
+
+
+def test_sample_engines_needs_py_spy(agentic_cmd, tmp_path):
+    """--sample-engines with no py-spy there: a clear error before any
+    server starts, not a run without samples."""
+    with pytest.raises(SystemExit) as e:
+        agentic_cmd("--arms", "hisparse", *SMALL, "--sample-engines", str(tmp_path / "none"))
+    assert "no py-spy at" in str(e.value)
+
+
+PY_SPY = os.environ.get("HISPARSE_PY_SPY") or shutil.which("py-spy")
+
+
+@pytest.mark.skipif(PY_SPY is None, reason="py-spy not installed (HISPARSE_PY_SPY)")
+def test_sample_engines_summarizes_each_level(agentic_cmd, bench_agentic, monkeypatch):
+    """--sample-engines (P5 diagnostics): every level of every arm samples
+    the engine core below its server (found by its title), its summary and
+    collapsed stacks land beside the JSON; the levels stay in the verdicts
+    (the sampler does not pause the engine)."""
+    monkeypatch.setenv("FAKE_VLLM_ENGINE", "1")
+    rc, rep, out = agentic_cmd("--arms", "offload,hisparse", *SMALL,
+                               "--sample-engines", PY_SPY, "--sample-rate", "200")
+    assert rc == 0, rep["failures"]
+    assert rep["runs"][0]["sample_engines"]["rate_hz"] == 200
+    for lv in rep["levels"]:
+        (rec,) = lv["samples"]
+        assert "error" not in rec and (out / rec["file"]).exists(), rec
+        s = rec["summary"]
+        assert s["main_samples"] > 0
+        # the fake engine's own frames (its short levels give too few
+        # samples for the marks' ratio: test_pysample.py checks that)
+        assert any("<string>" in k for k, _ in s["inclusive"]), s["inclusive"]
+        assert set(s["marks"]) == set(bench_agentic.SAMPLE_MARKS)
+    assert rep["targets"]["P5"]["measured"]["at_concurrency"] == 3

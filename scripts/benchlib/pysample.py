@@ -64,11 +64,11 @@ class Sampler:
         self.command = [pyspy, "record", "--pid", str(pid), "--nonblocking",
                         "--threads", "--rate", str(rate), "--format", "raw",
                         "--output", str(self.path)]
+        self.log = self.path.with_suffix(".log")
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = self.path.with_suffix(".log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
 

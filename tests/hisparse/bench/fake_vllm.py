@@ -12,23 +12,22 @@ vllm:hisparse_*; running requests are the streams in flight.
 
 usage: python3 fake_vllm.py --port P --arm ARM [--version V] [--profiler-config JSON]
 FAKE_VLLM_EXIT=ARM: that arm's server exits at once.
-FAKE_VLLM_ENGINE=1: the server starts a child process titled
-VLLM::EngineCore (as vLLM's engine core), a loop in named functions,
-for bench-agentic --sample-engines to find and sample (it spins: a core
-while its server lives).
+FAKE_VLLM_ENGINE=1: the server starts fake_engine_core.py's titled child
+(VLLM::EngineCore) for bench-agentic --sample-engines to find and sample
+(it spins: a core while its server lives).
 """
 
 import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import fake_engine_core
 from fake_trace import serving_steps, write_trace
 
 STATE = {"running": 0, "preemptions": 0, "generation": 0, "prompt": 0, "requests": 0,
@@ -149,15 +148,6 @@ def make_handler(arm: str, version: str, profiler: dict | None = None):
     return Handler
 
 
-ENGINE = """
-import os
-def schedule(): sum(range(3000))
-def execute_model(): sum(range(9000))
-while os.getppid() == SERVER:  # ends with its server
-    schedule(); execute_model()
-"""
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
@@ -168,8 +158,7 @@ def main() -> None:
     if os.environ.get("FAKE_VLLM_EXIT") == a.arm:
         sys.exit(3)  # a server that does not come up
     if os.environ.get("FAKE_VLLM_ENGINE") == "1":
-        subprocess.Popen(["bash", "-c", f"exec -a VLLM::EngineCore {sys.executable} -c "
-                          f"'{ENGINE.replace('SERVER', str(os.getpid()))}'"])
+        fake_engine_core.spawn()
     ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(a.arm, a.version,
                                                                 a.profiler_config)).serve_forever()
 

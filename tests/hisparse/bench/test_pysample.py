@@ -13,32 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
+import fake_engine_core
 from benchlib import pysample
-
-# A server stand-in: a Python parent whose grandchild calls itself
-# VLLM::EngineCore (as vLLM's setproctitle does) and spins in named functions.
-ENGINE = """
-import time
-def schedule():
-    t = time.time()
-    while time.time() - t < 0.002: pass
-def execute_model():
-    t = time.time()
-    while time.time() - t < 0.006: pass
-while True:
-    schedule(); execute_model()
-"""
 
 
 @pytest.fixture
-def server_tree(tmp_path):
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
-    # parent (python) -> bash -> exec -a VLLM::EngineCore python engine.py
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "import subprocess, sys, time;"
-        f"subprocess.Popen(['bash', '-c', 'exec -a VLLM::EngineCore {sys.executable} {script}']);"
-        "time.sleep(600)")], start_new_session=True)
+def server_tree():
+    """A server stand-in: a Python parent with fake_engine_core's titled
+    engine below it."""
+    parent = subprocess.Popen([sys.executable, fake_engine_core.__file__],
+                              start_new_session=True)
     try:
         for _ in range(100):
             if pysample.engine_pids(parent.pid):
@@ -55,7 +39,6 @@ def test_engine_pids_finds_the_engine_core_below_the_server(server_tree):
     assert len(pids) == 1
     assert b"EngineCore" in Path(f"/proc/{pids[0]}/cmdline").read_bytes()
     assert pysample.engine_pids(pids[0]) == []  # nothing below the engine
-    # the parent's and bash's command lines name it too: only the title counts
     assert server_tree.pid not in pids
 
 
@@ -105,5 +88,7 @@ def test_sampler_records_the_engine_functions(server_tree, tmp_path):
     summary = pysample.summarize(s.path, marks=("schedule (", "execute_model ("))
     assert summary["main_samples"] > 100
     marks = summary["marks"]
-    # the engine spins 2 ms in schedule and 6 ms in execute_model per loop
-    assert 0.6 < marks["execute_model ("] / (marks["schedule ("] + marks["execute_model ("]) < 0.9
+    # the engine spins SCHEDULE_S in schedule and EXECUTE_S in execute_model per loop
+    spin = fake_engine_core.EXECUTE_S / (fake_engine_core.SCHEDULE_S + fake_engine_core.EXECUTE_S)
+    share = marks["execute_model ("] / (marks["schedule ("] + marks["execute_model ("])
+    assert abs(share - spin) < 0.15, (share, spin)

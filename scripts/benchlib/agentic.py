@@ -528,6 +528,26 @@ def profiler_config(folder: str, steps: int) -> dict:
             "max_iterations": steps}
 
 
+# Warm-up prompt sizes (tokens, before the chat template). A step longer
+# than the largest CUDA-graph size runs eagerly, and its Triton kernels
+# compile on first use of a new specialization: the fused-MoE kernel picks
+# its tiles by the step's token count (classes change at 128 and 512) and
+# Triton specializes its integer arguments on divisibility by 16 (tokens x
+# top-k, i.e. the count mod 4 here). The levels' mixed steps hit these at
+# random; an arm that met one first mid-level paid the compile there (run
+# 18's offload arm: 0.7 s of its level). Four consecutive sizes per class
+# cover every residue; every arm gets the same list before its first level.
+WARM_BASES = (160, 400, 1000)
+WARM_RESIDUES = 4
+
+
+def warm_sizes(cfg: AgenticConfig) -> list[int]:
+    """The prompt sizes each server is warmed with, in order."""
+    limit = min(cfg.chunk, cfg.max_model_len) - 96
+    bases = [b for b in (*WARM_BASES, limit - WARM_RESIDUES) if 0 < b <= limit - WARM_RESIDUES]
+    return [b + r for b in sorted(set(bases)) for r in range(WARM_RESIDUES)]
+
+
 def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str,
                    profile_dir: str | None = None) -> list[str]:
     """``vllm serve`` (as ``python -m vllm.entrypoints.cli.main serve``: the

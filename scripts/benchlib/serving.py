@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import prom
@@ -90,12 +91,19 @@ class Server:
         except (json.JSONDecodeError, AttributeError):
             return text.strip() or None
 
-    def warm(self, tokens: int = 256, max_tokens: int = 16) -> int:
-        """One short chat request (the first request's lazy work out of the
-        measurement); its HTTP status."""
-        body = {"model": "tiny", "max_tokens": max_tokens, "messages": [
-            {"role": "user", "content": " ".join(f"w{2 + i % 8000}" for i in range(tokens))}]}
-        return http(f"{self.url}/v1/chat/completions", body, timeout=120)[0]
+    def warm(self, sizes: Sequence[int] = (256,), max_tokens: int = 4) -> list[int]:
+        """One short chat request per prompt size, one after another (the
+        lazy work of the steps they make out of the measurement: first-use
+        setup, and the Triton kernels an eager step of a new size class
+        compiles); their HTTP statuses. Each prompt starts with its own
+        words, so no warm request is a prefix hit of another."""
+        statuses = []
+        for n, tokens in enumerate(sizes):
+            words = " ".join(f"w{2 + (n * 997 + i) % 8000}" for i in range(tokens))
+            body = {"model": "tiny", "max_tokens": max_tokens,
+                    "messages": [{"role": "user", "content": words}]}
+            statuses.append(http(f"{self.url}/v1/chat/completions", body, timeout=120)[0])
+        return statuses
 
     def reset_prefix_cache(self, attempts: int = 20) -> dict:
         """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1), retried while

@@ -12,6 +12,10 @@ vllm:hisparse_*; running requests are the streams in flight.
 
 usage: python3 fake_vllm.py --port P --arm ARM [--version V] [--profiler-config JSON]
 FAKE_VLLM_EXIT=ARM: that arm's server exits at once.
+FAKE_VLLM_FAIL_UNSTREAMED=ARM: that arm answers 500 to every unstreamed chat
+request (bench-agentic's warm-up; the tool streams).
+FAKE_VLLM_PROMPTS=DIR: every chat request appends its prompt's word count
+(one token per word) and whether it streamed to DIR/ARM.txt.
 FAKE_VLLM_ENGINE=1: the server starts fake_engine_core.py's titled child
 (VLLM::EngineCore) for bench-agentic --sample-engines to find and sample
 (it spins: a core while its server lives).
@@ -111,6 +115,13 @@ def make_handler(arm: str, version: str, profiler: dict | None = None):
         def chat(self, body: dict) -> None:
             n = int(body.get("max_tokens") or 16)
             prompt = sum(len(m["content"].split()) for m in body["messages"])
+            record = os.environ.get("FAKE_VLLM_PROMPTS")
+            if record:
+                with LOCK, open(Path(record) / f"{arm}.txt", "a") as f:
+                    f.write(f"{prompt} {int(bool(body.get('stream')))}\n")
+            if not body.get("stream") and os.environ.get("FAKE_VLLM_FAIL_UNSTREAMED") == arm:
+                self.send(500, json.dumps({"error": "fake failure"}))
+                return
             rng = random.Random(prompt)
             words = [f"w{rng.randrange(2, 8192)}" for _ in range(n)]
             with LOCK:

@@ -188,6 +188,25 @@ def test_prepare_model_removes_eos_and_special_tokens_and_adds_a_template(tmp_pa
 # ------------------------------------------------------ command lines
 
 
+def test_warm_sizes_cover_every_eager_size_class_and_residue():
+    """P5 (a fair baseline): the warm-up prompts reach both fused-MoE tile
+    classes of eager steps (129-512 and 513+ tokens), each with four
+    consecutive sizes (every count mod 4: Triton's divisibility-by-16
+    specialization of tokens x top-k 4), all inside one prefill chunk."""
+    cfg = agentic.AgenticConfig()
+    sizes = agentic.warm_sizes(cfg)
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    assert max(sizes) < cfg.chunk and min(sizes) > 128
+    for lo, hi in ((129, 512), (513, cfg.chunk)):
+        klass = [n for n in sizes if lo <= n <= hi]
+        assert {n % 4 for n in klass} == {0, 1, 2, 3}, (lo, hi, klass)
+    assert max(sizes) >= cfg.chunk - 128  # the chunk's own size class
+    small = agentic.AgenticConfig(chunk=512, max_model_len=16384)
+    assert agentic.warm_sizes(small) and max(agentic.warm_sizes(small)) < 512 - 64
+    short = agentic.AgenticConfig(max_model_len=600)
+    assert max(agentic.warm_sizes(short)) < 600 - 64
+
+
 @pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf", "hisparse@6",
                                  "hisparse_nobackoff"])
 def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):

@@ -139,6 +139,38 @@ def test_a_server_that_does_not_start_fails_its_arm_only(agentic_cmd, monkeypatc
         "plain": "ok", "offload": "error"}
 
 
+def test_every_arm_is_warmed_alike_before_its_first_level(agentic_cmd, monkeypatch, tmp_path):
+    """P5 (a fair baseline): each server gets the same warm-up prompts, one
+    after another and unstreamed, before any level's streamed requests, so
+    no arm compiles a step's kernels inside its measurement."""
+    record = tmp_path / "prompts"
+    record.mkdir()
+    monkeypatch.setenv("FAKE_VLLM_PROMPTS", str(record))
+    rc, rep, _ = agentic_cmd("--arms", "offload,hisparse", *SMALL)
+    assert rc == 0, rep["failures"]
+    sizes = rep["arms"]["offload"]["warm_sizes"]
+    assert sizes == rep["arms"]["hisparse"]["warm_sizes"] == agentic.warm_sizes(
+        agentic.AgenticConfig())
+    for arm in ("offload", "hisparse"):
+        assert rep["arms"][arm]["warm_status"] == [200] * len(sizes)
+        seen = [tuple(map(int, ln.split())) for ln in (record / f"{arm}.txt").read_text()
+                .splitlines()]
+        first_streamed = next(i for i, (_, streamed) in enumerate(seen) if streamed)
+        assert [n for n, _ in seen[:first_streamed]] == sizes
+        assert all(streamed for _, streamed in seen[first_streamed:])
+
+
+def test_a_failed_warm_up_fails_its_arm_with_the_statuses(agentic_cmd, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_FAIL_UNSTREAMED", "offload")
+    rc, rep, _ = agentic_cmd("--arms", "plain,offload", *SMALL)
+    assert rc == 1
+    (failure,) = [f for f in rep["failures"] if f.startswith("offload:")]
+    assert "warm-up requests failed" in failure and ": 500" in failure
+    assert rep["arms"]["offload"]["error"] == "warm-up failed"
+    assert {lv["arm"]: lv["status"] for lv in rep["levels"] if lv["concurrency"] == 2} == {
+        "plain": "ok", "offload": "error"}
+
+
 def test_sequential_start_and_budget(agentic_cmd):
     rc, rep, _ = agentic_cmd("--arms", "plain", "--sequential-start", *SMALL)
     assert rc == 0 and {lv["status"] for lv in rep["levels"]} == {"ok"}

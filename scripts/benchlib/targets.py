@@ -226,8 +226,44 @@ def p5(levels: Iterable[Mapping]) -> dict:
     measured["throughput_ratio"] = round(_tok_s(h) / _tok_s(o), 3) if _tok_s(o) else None
     measured["tpot_ratio"] = round(_tpot_p50(h) / _tpot_p50(o), 3)
     measured["capped"] = _capped_vs(by[c], o)
+    measured["itl_split"] = itl_split(h, o)
     ok = _tok_s(h) >= P5_VS_OFFLOAD * _tok_s(o) and _tpot_p50(h) <= _tpot_p50(o)
     return verdict("P5", ok, measured)
+
+
+def itl_split(arm: Mapping, base: Mapping) -> dict | None:
+    """Where ``arm``'s mean inter-token latency over ``base``'s comes from
+    (P5's "where the time goes"), from vLLM's own step and ITL histograms
+    (agentic.step_figures), no profiler. A running request waits one step
+    per token, and a step carrying a prefill chunk (mixed) costs ~10x a
+    decode step on the tiny model: mean ITL ~ d + s (m - d), with s the
+    mixed share of the steps. Both arms do the same prefill work (about
+    the same number of mixed steps), so s grows with the requests per step:
+    more running requests means more mixed steps per token. ``structural_
+    itl_ms`` is the base's ITL at the arm's mixed share, d and m the base's:
+    ITL_base + (s_arm / s_base - 1) (ITL_base - d_base), d_base bounded by
+    its fast intervals' mean (under 10 ms, bucket-bounded). What is left of
+    the gap (``own_share_of_gap``) is the arm's steps costing more than
+    the base's at its larger batch: its own work and vLLM's per-request
+    work alike. None without both arms' step figures."""
+    a, b = ((lv.get("server") or {}).get("steps") or {} for lv in (arm, base))
+    try:
+        s_a, s_b = 1 - a["decode_step_share"], 1 - b["decode_step_share"]
+        itl_a, itl_b = a["itl"]["mean_ms"], b["itl"]["mean_ms"]
+        fast_b = b["itl"]["fast_mean_ms"]
+    except (KeyError, TypeError):
+        return None
+    if not s_b or not fast_b or itl_a <= itl_b:
+        return None
+    structural = sorted(itl_b + (s_a / s_b - 1) * (itl_b - d) for d in fast_b)
+    gap = itl_a - itl_b
+    return {"mixed_step_share": {"arm": round(s_a, 4), "base": round(s_b, 4),
+                                 "ratio": round(s_a / s_b, 2)},
+            "itl_ms": {"arm": itl_a, "base": itl_b, "ratio": round(itl_a / itl_b, 3)},
+            "structural_itl_ms": [round(x, 3) for x in structural],
+            "structural_ratio": [round(x / itl_b, 3) for x in structural],
+            "own_share_of_gap": [round(max(0.0, (itl_a - x) / gap), 3)
+                                 for x in reversed(structural)]}
 
 
 def _capped_vs(arms: Mapping[str, Mapping], base: Mapping) -> dict:

@@ -113,6 +113,44 @@ def test_p5_reports_the_capped_hisparse_arms_beside_its_verdict():
     assert capped["hisparse@6"]["tpot_ratio"] == pytest.approx(0.95)
 
 
+def _stepped(arm, d_ms, m_ms, mixed, fast_bounds):
+    """A level whose steps follow the ITL model exactly: a decode step d, a
+    mixed step m, a mixed share of the steps ``mixed``."""
+    level = lv(arm, 32, 3, tok_s=100, tpot=d_ms)
+    level["server"]["steps"] = {"decode_step_share": 1 - mixed, "itl": {
+        "mean_ms": d_ms + mixed * (m_ms - d_ms), "fast_mean_ms": list(fast_bounds)}}
+    return level
+
+
+def test_p5_splits_the_itl_gap_into_the_mixed_step_share_and_the_steps_own_cost():
+    """P5's where the time goes: with the offloader's decode and mixed steps
+    (2 and 30 ms) at HiSparse's 3x mixed share, the structural ITL is the
+    model's, and the rest of the gap is HiSparse's steps costing more. The
+    base's decode step is only known within its fast intervals' bounds, so
+    both come as bounds that hold the truth."""
+    base = _stepped("offload", 2.0, 30.0, 0.02, (1.8, 2.3))
+    # hisparse: 3x the mixed share, decode steps 1 ms dearer, mixed ones 4 ms
+    arm = _stepped("hisparse", 3.0, 34.0, 0.06, (2.5, 3.5))
+    split = T.p5([base, arm])["measured"]["itl_split"]
+    true_structural = 2.0 + 0.06 * (30.0 - 2.0)
+    lo, hi = split["structural_itl_ms"]
+    assert lo <= true_structural <= hi and hi - lo < 1.5
+    assert split["mixed_step_share"] == {"arm": 0.06, "base": 0.02, "ratio": 3.0}
+    true_own = (arm["server"]["steps"]["itl"]["mean_ms"] - true_structural) / (
+        arm["server"]["steps"]["itl"]["mean_ms"] - base["server"]["steps"]["itl"]["mean_ms"])
+    own_lo, own_hi = split["own_share_of_gap"]
+    assert own_lo <= true_own <= own_hi
+    # with the same steps as the base, the whole gap is the mixed share's
+    same = _stepped("hisparse", 2.0, 30.0, 0.06, (1.8, 2.3))
+    s = T.p5([base, same])["measured"]["itl_split"]
+    assert s["own_share_of_gap"][0] == 0.0 and s["own_share_of_gap"][1] > 0
+    assert s["structural_itl_ms"][0] <= same["server"]["steps"]["itl"]["mean_ms"] \
+        <= s["structural_itl_ms"][1]
+    # without step figures (a server without the histograms): no split
+    assert T.p5([lv("offload", 32, 3, tok_s=100, tpot=2),
+                 lv("hisparse", 32, 9, tok_s=200, tpot=3)])["measured"]["itl_split"] is None
+
+
 def test_p8_every_level_and_the_tax():
     levels = [lv("hisparse", 4, 4, tok_s=200, tpot=5), lv("upstream", 4, 4, tok_s=150, tpot=6),
               lv("hisparse", 8, 8, tok_s=300, tpot=7), lv("upstream", 8, 8, tok_s=250, tpot=8)]

@@ -542,10 +542,12 @@ WARM_RESIDUES = 4
 
 
 def warm_sizes(cfg: AgenticConfig) -> list[int]:
-    """The prompt sizes each server is warmed with, in order."""
+    """The prompt sizes each server is warmed with, in order (at least one,
+    however small the chunk)."""
     limit = min(cfg.chunk, cfg.max_model_len) - 96
     bases = [b for b in (*WARM_BASES, limit - WARM_RESIDUES) if 0 < b <= limit - WARM_RESIDUES]
-    return [b + r for b in sorted(set(bases)) for r in range(WARM_RESIDUES)]
+    sizes = [b + r for b in sorted(set(bases)) for r in range(WARM_RESIDUES)]
+    return sizes or [max(1, min(cfg.chunk, cfg.max_model_len) // 2)]
 
 
 def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str,

@@ -245,7 +245,7 @@ def itl_split(arm: Mapping, base: Mapping) -> dict | None:
     its fast intervals' mean (under 10 ms, bucket-bounded). What is left of
     the gap (``own_share_of_gap``) is the arm's steps costing more than
     the base's at its larger batch: its own work and vLLM's per-request
-    work alike. None without both arms' step figures."""
+    work alike. None without both arms' step figures or without a gap."""
     a, b = ((lv.get("server") or {}).get("steps") or {} for lv in (arm, base))
     try:
         s_a, s_b = 1 - a["decode_step_share"], 1 - b["decode_step_share"]
@@ -262,7 +262,7 @@ def itl_split(arm: Mapping, base: Mapping) -> dict | None:
             "itl_ms": {"arm": itl_a, "base": itl_b, "ratio": round(itl_a / itl_b, 3)},
             "structural_itl_ms": [round(x, 3) for x in structural],
             "structural_ratio": [round(x / itl_b, 3) for x in structural],
-            "own_share_of_gap": [round(max(0.0, (itl_a - x) / gap), 3)
+            "own_share_of_gap": [round(min(1.0, max(0.0, (itl_a - x) / gap)), 3)
                                  for x in reversed(structural)]}
 
 

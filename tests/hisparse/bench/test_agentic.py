@@ -205,6 +205,7 @@ def test_warm_sizes_cover_every_eager_size_class_and_residue():
     assert agentic.warm_sizes(small) and max(agentic.warm_sizes(small)) < 512 - 64
     short = agentic.AgenticConfig(max_model_len=600)
     assert max(agentic.warm_sizes(short)) < 600 - 64
+    assert agentic.warm_sizes(agentic.AgenticConfig(chunk=64)) == [32]  # still warmed
 
 
 @pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf", "hisparse@6",

@@ -146,6 +146,9 @@ def test_p5_splits_the_itl_gap_into_the_mixed_step_share_and_the_steps_own_cost(
     assert s["own_share_of_gap"][0] == 0.0 and s["own_share_of_gap"][1] > 0
     assert s["structural_itl_ms"][0] <= same["server"]["steps"]["itl"]["mean_ms"] \
         <= s["structural_itl_ms"][1]
+    # no gap (HiSparse as fast or faster): nothing to split
+    assert T.p5([base, _stepped("hisparse", 2.0, 30.0, 0.02, (1.8, 2.3))])[
+        "measured"]["itl_split"] is None
     # without step figures (a server without the histograms): no split
     assert T.p5([lv("offload", 32, 3, tok_s=100, tpot=2),
                  lv("hisparse", 32, 9, tok_s=200, tpot=3)])["measured"]["itl_split"] is None

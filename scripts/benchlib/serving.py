@@ -91,7 +91,7 @@ class Server:
         except (json.JSONDecodeError, AttributeError):
             return text.strip() or None
 
-    def warm(self, sizes: Sequence[int] = (256,), max_tokens: int = 4) -> list[int]:
+    def warm(self, sizes: Sequence[int], max_tokens: int = 4) -> list[int]:
         """One short chat request per prompt size, one after another (the
         lazy work of the steps they make out of the measurement: first-use
         setup, and the Triton kernels an eager step of a new size class

@@ -554,6 +554,34 @@ def test_merge_unites_runs_and_a_later_level_wins():
         agentic.merge([{"schema": "bench-tax/1"}], ["t.json"])
 
 
+def test_host_ms_per_step_converts_the_engine_samples_by_vllms_step_count():
+    """P5 analysis (docs/benchmarks.md "bench-agentic"): busy host ms per
+    engine step = main-thread samples / rate / steps, and a mark's part =
+    its share of that; from the busiest sampled process, at the record's
+    own rate or, for an older file, the runs' one rate; none without
+    steps, samples or a rate."""
+    lv = {"server": {"steps": {"engine_steps": 500}},
+          "samples": [{"summary": {"main_samples": 40, "marks": {"x": 0.5}}},
+                      {"summary": {"main_samples": 1000,
+                                   "marks": {"schedule (": 0.25, "hisparse/": 0.1}}}]}
+    assert agentic.host_ms_per_step(lv, 100) == {"busy": 20.0, "schedule (": 5.0,
+                                                 "hisparse/": 2.0}
+    lv["samples"][1]["rate_hz"] = 200
+    assert agentic.host_ms_per_step(lv, 100)["busy"] == 10.0
+    del lv["samples"][1]["rate_hz"]
+    assert agentic.host_ms_per_step(lv, None) is None
+    assert agentic.host_ms_per_step({**lv, "server": {}}, 100) is None
+    assert agentic.host_ms_per_step({**lv, "samples": [{"error": "x"}]}, 100) is None
+    sampled = {**level("hisparse", 16, 15, 300, 9), **lv}
+    rep = agentic.build_report(cfg=None, command="c", arms={}, levels=[sampled],
+                               runs=[{"sample_engines": {"rate_hz": 100}}], failures=[])
+    assert rep["levels"][0]["host_ms_per_step"]["busy"] == 20.0
+    two_rates = [{"sample_engines": {"rate_hz": 100}}, {"sample_engines": {"rate_hz": 50}}]
+    rep = agentic.build_report(cfg=None, command="c", arms={}, levels=[sampled],
+                               runs=two_rates, failures=[])
+    assert "host_ms_per_step" not in rep["levels"][0]
+
+
 def test_tax_verdict_comes_from_bench_tax():
     assert agentic.tax_verdict({"targets": {"P8_tax": {"pass": False}}}) == {"pass": False}
     assert agentic.tax_verdict(None) is None

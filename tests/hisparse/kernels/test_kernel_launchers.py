@@ -202,6 +202,15 @@ def test_plan_and_descriptor_checks():
         kernels.validate_invalidate(
             torch.zeros(2, 8, dtype=i32), torch.zeros(2, dtype=i32),
             torch.zeros(3, dtype=i32), torch.zeros(3, dtype=i32), device=CPU)
+    # K4 takes one group's [S, H] or every group's [G, S, H], nothing else
+    for dgi in (torch.zeros(2, 8, dtype=i32), torch.zeros(3, 2, 8, dtype=i32)):
+        kernels.validate_invalidate(
+            dgi, torch.zeros(2, dtype=i32), torch.zeros(3, dtype=i32),
+            torch.zeros(3, dtype=torch.int64), device=CPU)
+    with pytest.raises(ValueError, match=r"dgi must have 2 dimension\(s\)"):
+        kernels.validate_invalidate(
+            torch.zeros(2, 2, 2, 8, dtype=i32), torch.zeros(2, dtype=i32),
+            torch.zeros(3, dtype=i32), torch.zeros(3, dtype=torch.int64), device=CPU)
     with pytest.raises(ValueError, match=r"nbytes.shape\[0\] must equal "
                        r"src_ptr.shape\[0\] = 3"):
         kernels.validate_descriptors(

@@ -670,6 +670,22 @@ def test_k10_invalidate_written_slots():
     assert dgi.tolist() == [[-1, 6, 7, -1], [5, 6, -1, 9], [1, 2, 3, 4]]
 
 
+def test_k10_invalidate_takes_every_index_group_at_once():
+    """K-10, INV-41, P2: K4 over the runtime's stacked hot state [G, S, H]
+    clears in every group exactly what a launch per group clears."""
+    gen = torch.Generator().manual_seed(7)
+    stacked = torch.randint(-1, 40, (3, 5, 16), dtype=torch.int32, generator=gen)
+    req_state = t32([4, 0, -1, 2])
+    token_req = torch.randint(-1, 5, (30,), dtype=torch.int32, generator=gen)
+    written = torch.randint(-2, 40, (30,), dtype=torch.int64, generator=gen)
+    alone = stacked.clone()
+    for group in alone:
+        reference.ref_invalidate(group, req_state, token_req, written)
+    before = stacked.clone()
+    reference.ref_invalidate(stacked, req_state, token_req, written)
+    assert torch.equal(stacked, alone) and not torch.equal(stacked, before)
+
+
 # ---------------------------------------------------------------------------
 # K2/K3 gathers
 # ---------------------------------------------------------------------------

@@ -469,6 +469,25 @@ def test_k10_invalidate_matches_reference(gpu_kernels, hot, shift):
     assert_same_tensor("dgi (no tokens)", got_full, full)
 
 
+def test_k10_invalidate_every_group_in_one_launch(gpu_kernels):
+    """K-10, INV-41, P2: one K4 launch over the stacked [G, S, H] hot state
+    (the runtime's) clears in each group what the reference clears per
+    group, on the vector (H % 4 == 0) and scalar paths."""
+    for hot in (512, 37):
+        gen = torch.Generator().manual_seed(hot)
+        G, S, reqs, tokens = 5, 9, 6, 300
+        stacked = torch.randint(-1, 200, (G, S, hot), dtype=I32, generator=gen)
+        req_state = torch.tensor([3, -1, 0, 8, 12, 5], dtype=I32)
+        token_req = torch.randint(-2, reqs + 2, (tokens,), dtype=I32, generator=gen)
+        written = torch.randint(-3, 200, (tokens,), dtype=torch.int64, generator=gen)
+        got = stacked.to(CUDA)
+        for group in stacked:
+            reference.ref_invalidate(group, req_state, token_req, written)
+        gpu_kernels.invalidate_written_slots(got, req_state.to(CUDA), token_req.to(CUDA),
+                                             written.to(CUDA))
+        assert_same_tensor(f"dgi [G, S, {hot}]", got, stacked)
+
+
 def test_k11_copy_descriptors_equals_copy_engine(gpu_kernels):
     """K-11, INV-42: K5 and cudaMemcpy produce identical bytes for 656 B,
     4 KiB and 42 KB runs, odd sizes and misaligned addresses (16/4/1-byte

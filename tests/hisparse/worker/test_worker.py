@@ -688,6 +688,7 @@ def test_rewritten_rows_drop_hot_entries():
     slot = rt.slots.of_region(20)
     assert rt.slots_with_entries == {slot}
     written_g = 6 * B + 70 - B
+    assert len(rt.groups) > 1  # one K4 launch must cover every group
     for group in rt.groups:
         group.dgi[slot, :3] = torch.tensor([9 * B + 1, written_g, 5 * B + 7])
     rig.worker.finish_forward()
@@ -724,13 +725,13 @@ def test_no_invalidation_while_no_slot_can_hold_an_entry():
     rt.note_residency_updates()  # as the binding does for the update
     step(rig.meta())
     slot = rt.slots.of_region(20)
-    assert rt.slots_with_entries == {slot} and len(calls) == len(rt.groups)
+    assert rt.slots_with_entries == {slot} and len(calls) == 1  # every group, one launch
     rig.place(0, resident=[3, 4], host=[5, 6], hot=[20, 21])  # restored
     rt.note_residency_updates()
     step(rig.meta())
-    assert rt.slots_with_entries == {slot} and len(calls) == 2 * len(rt.groups)
+    assert rt.slots_with_entries == {slot} and len(calls) == 2
     step(rig.meta(hot_regions_freed=np.array([20])))
-    assert not rt.slots_with_entries and len(calls) == 2 * len(rt.groups)
+    assert not rt.slots_with_entries and len(calls) == 2
 
 
 @pytest.fixture

@@ -444,7 +444,12 @@ def validate_gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
 
 def validate_invalidate(dgi, req_state, token_req, written_g, *,
                         device: torch.device) -> None:
-    _check(dgi, "dgi", torch.int32, 2, device)
+    """dgi: one index group's [S, H] or every group's [G, S, H]."""
+    stacked = isinstance(dgi, torch.Tensor) and dgi.dim() == 3
+    _check(dgi, "dgi", torch.int32, 3 if stacked else 2, device)
+    if dgi.dim() == 3 and dgi.shape[0] > 65535:
+        raise ValueError(f"dgi holds {dgi.shape[0]} index groups (at most "
+                         "65,535: the launch's grid.y)")
     _check(req_state, "req_state", torch.int32, 1, device)
     _check(token_req, "token_req", torch.int32, 1, device)
     _check(written_g, "written_g", torch.int64, 1, device)
@@ -598,7 +603,9 @@ def gather_plan(src: torch.Tensor, dst: torch.Tensor,
 def invalidate_written_slots(dgi: torch.Tensor, req_state: torch.Tensor,
                              token_req: torch.Tensor,
                              written_g: torch.Tensor) -> None:
-    """K4: drop hot entries whose host rows this forward rewrote (INV-41)."""
+    """K4: drop hot entries whose host rows this forward rewrote (INV-41).
+    ``dgi`` is one index group's [S, H] or every group's [G, S, H] (one
+    launch for all: they share the tokens, slots and written rows)."""
     device = _require_cuda(dgi, "dgi")
     validate_invalidate(dgi, req_state, token_req, written_g, device=device)
     _ops().invalidate_written_slots(dgi, req_state, token_req, written_g)

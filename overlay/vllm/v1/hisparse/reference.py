@@ -470,7 +470,12 @@ def ref_gather_plan(src: torch.Tensor, dst: torch.Tensor,
 
 def ref_invalidate(dgi: torch.Tensor, req_state: torch.Tensor,
                    token_req: torch.Tensor, written_g: torch.Tensor) -> None:
-    """K4: clear dgi entries of each written token's slot equal to its row."""
+    """K4: clear dgi entries of each written token's slot equal to its row;
+    ``dgi`` [S, H] (one index group) or [G, S, H] (every group alike)."""
+    if dgi.dim() == 3:
+        for group in dgi:
+            ref_invalidate(group, req_state, token_req, written_g)
+        return
     num_states, num_reqs = dgi.shape[0], req_state.shape[0]
     for r, g in zip(token_req.tolist(), written_g.tolist()):
         if not 0 <= r < num_reqs:

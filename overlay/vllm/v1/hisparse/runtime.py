@@ -143,6 +143,18 @@ class LayerViews:
 
 
 @dataclass
+class HotState:
+    """Every index group's hot-buffer state in one allocation: ``dgi``
+    int32 and ``lru`` int16 [G, S + 1, H]. Group i reads and writes the
+    contiguous views [i] (K1 takes one group's); a slot's reset and K4's
+    invalidation take all groups at once: a launch each per step, not one
+    per group (P2: DeepSeek-V3.2 has an indexer in each of its 61 layers)."""
+
+    dgi: torch.Tensor
+    lru: torch.Tensor
+
+
+@dataclass
 class IndexGroup:
     """A leader and its IndexShare followers (spec 2.10, INV-11)."""
 
@@ -151,8 +163,11 @@ class IndexGroup:
     layers: tuple[str, ...]
     pair: int
     dgi: torch.Tensor
+    """hot.dgi[index]"""
     lru: torch.Tensor
+    """hot.lru[index]"""
     stats: torch.Tensor
+    hot: HotState
 
 
 @dataclass
@@ -423,6 +438,7 @@ class HiSparseRuntime:
         "step" (K7 sorts the whole step's cells as one list)."""
         self.layers: dict[str, LayerViews] = {lv.name: lv for lv in layers}
         self.groups = tuple(groups)
+        self.hot = _shared_hot_state(self.groups)
         self.resident_group_ids = tuple(resident_group_ids)
         self.hot_group_ids = tuple(hot_group_ids)
         self.virtual_group_ids = frozenset(self.resident_group_ids + self.hot_group_ids)
@@ -549,10 +565,10 @@ class HiSparseRuntime:
         self._maybe_unchecked = True
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        """Every slot's dgi row to -1 and lru row to 0..H-1 (4.8 step 1)."""
-        for group in self.groups:
-            group.dgi[slots] = -1
-            group.lru[slots] = self._lru_init
+        """Every slot's dgi row to -1 and lru row to 0..H-1 (4.8 step 1),
+        in every index group at once."""
+        self.hot.dgi[:, slots] = -1
+        self.hot.lru[:, slots] = self._lru_init
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         return to_device(values, self.device)
@@ -895,10 +911,8 @@ class HiSparseRuntime:
             return
         written = self.tables.slot_mapping(self.source_group_id)[:num_tokens]
         token_req = self.row_req[:num_tokens]
-        for group in self.groups:
-            self.ops.invalidate_written_slots(
-                group.dgi, self.req_state, token_req, written
-            )
+        # One launch for every index group: they share tokens, slots, rows.
+        self.ops.invalidate_written_slots(self.hot.dgi, self.req_state, token_req, written)
 
     # --------------------------------------------------------- metrics
 
@@ -983,6 +997,13 @@ def build_index_groups(
         if is_leader or not members:
             members.append([])
         members[-1].append(name)
+    states, width = g.max_num_seqs + 1, g.device_buffer_size
+    hot = HotState(
+        dgi=torch.full((len(members), states, width), -1, dtype=torch.int32, device=device),
+        lru=torch.arange(width, dtype=torch.int16, device=device).repeat(
+            len(members), states, 1
+        ),
+    )
     for index, names in enumerate(members):
         pairs = {pair_of_layer[n] for n in names}
         if len(pairs) != 1:
@@ -997,19 +1018,37 @@ def build_index_groups(
                 leader=names[0],
                 layers=tuple(names),
                 pair=pairs.pop(),
-                dgi=torch.full(
-                    (g.max_num_seqs + 1, g.device_buffer_size),
-                    -1,
-                    dtype=torch.int32,
-                    device=device,
-                ),
-                lru=torch.arange(
-                    g.device_buffer_size, dtype=torch.int16, device=device
-                ).repeat(g.max_num_seqs + 1, 1),
+                dgi=hot.dgi[index],
+                lru=hot.lru[index],
                 stats=torch.zeros(4, dtype=torch.uint64, device=device),
+                hot=hot,
             )
         )
     return groups
+
+
+def _shared_hot_state(groups: Sequence[IndexGroup]) -> HotState:
+    """The one HotState every group's views are of, in group order."""
+    if not groups:
+        raise ValueError("HiSparse: a runtime needs at least one index group")
+    hot = groups[0].hot
+    for i, group in enumerate(groups):
+        if (
+            group.hot is not hot
+            or group.index != i
+            or group.dgi.data_ptr() != hot.dgi[i].data_ptr()
+            or group.lru.data_ptr() != hot.lru[i].data_ptr()
+        ):
+            raise ValueError(
+                f"HiSparse: index group {i} ({group.leader}) is not view {i} of the "
+                "shared hot state (runtime.build_index_groups)"
+            )
+    if hot.dgi.shape[0] != len(groups):
+        raise ValueError(
+            f"HiSparse: the hot state holds {hot.dgi.shape[0]} index groups, the "
+            f"runtime {len(groups)}"
+        )
+    return hot
 
 
 def _query_lens(query_start_loc: Any) -> list[int] | None:
@@ -1024,6 +1063,7 @@ __all__ = [
     "BatchState",
     "FollowerPrefetch",
     "HiSparseRuntime",
+    "HotState",
     "IndexGroup",
     "KernelOps",
     "LayerViews",

@@ -6,6 +6,10 @@ argument checks (5.0 launch-time checks) run before every launch."""
 
 from __future__ import annotations
 
+import inspect
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from hisparse_kernel_cases import FuzzSpec, ResolveFuzzer
@@ -266,3 +270,79 @@ def test_new_hot_state_is_empty_and_ordered():
     assert dgi.dtype == torch.int32 and bool((dgi == -1).all())
     assert lru.dtype == torch.int16 and lru.shape == (3, 32768)
     assert torch.equal(lru[2].to(torch.int64), torch.arange(32768))
+
+
+# --------------------------------------------------------------------------
+# K46: the runtime's per-step launches go straight to the registered ops
+# --------------------------------------------------------------------------
+
+BINDINGS = (Path(__file__).resolve().parents[3] / "overlay" / "csrc" / "hisparse"
+            / "bindings.cpp")
+STEP_OPS = ("resolve_residency", "gather_compact", "order_plan", "order_step",
+            "gather_ordered", "gather_plan", "invalidate_written_slots",
+            "copy_descriptors")
+
+
+def _schemas() -> dict[str, list[str]]:
+    """Op name -> its argument names, from the extension's registration."""
+    out = {}
+    for block in re.findall(r"m\.def\((.*?)\);", BINDINGS.read_text(), re.S):
+        schema = "".join(re.findall(r'"([^"]*)"', block))
+        name, _, rest = schema.partition("(")
+        args = rest.rpartition(") ->")[0]
+        out[name] = [a.split("=")[0].split()[-1] for a in args.split(",")]
+    return out
+
+
+class _Recorder:
+    """A stand-in for torch.ops.hisparse_ops: each op's .default records
+    the positional arguments it is called with."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        recorder = self
+
+        class _Op:
+            def __init__(self, name: str) -> None:
+                self.default = lambda *args: recorder.calls.append((name, args))
+
+        for name in STEP_OPS:
+            setattr(self, name, _Op(name))
+
+
+@pytest.mark.parametrize("op", STEP_OPS)
+def test_k46_step_ops_pass_every_argument_in_schema_order(op):
+    """docs/worker.md K46 (P2): StepOps skips the Python checks and calls
+    the registered op, whose C++ entry point checks the arguments; each
+    argument must land in its schema position (resolve_residency's
+    num_gpu_blocks sits mid-schema, gather_plan's stride is last)."""
+    schema = _schemas()[op]
+    ns = _Recorder()
+    step_ops = kernels.StepOps(ns)
+    params = inspect.signature(getattr(step_ops, op)).parameters
+    assert sorted(params) == sorted(schema), (op, list(params), schema)
+    sentinels = {name: f"<{name}>" for name in params}
+    getattr(step_ops, op)(**sentinels)
+    assert ns.calls == [(op, tuple(sentinels[name] for name in schema))]
+
+
+def test_k46_gather_plan_stride_defaults_to_the_block_size():
+    """The launcher's default (strided addressing): dst.shape[1]."""
+    ns = _Recorder()
+    dst = torch.zeros(3, 16, 32, dtype=torch.uint8)
+    kernels.StepOps(ns).gather_plan("src", dst, "rows", "dst_rows", "mask")
+    assert ns.calls[0][1][-1] == 16
+
+
+def test_k46_step_ops_cover_every_launch_the_runtime_makes():
+    """Every KernelOps member the runtime calls exists on StepOps with the
+    launcher's parameters (the CPU rigs use the references, so a missing
+    or misnamed one would first fail on the GPU)."""
+    from vllm.v1.hisparse.runtime import KernelOps
+
+    for name in KernelOps.__annotations__:
+        mine = getattr(kernels.StepOps, name)
+        public = getattr(kernels, name)
+        assert list(inspect.signature(mine).parameters)[-len(
+            inspect.signature(public).parameters):] == list(
+                inspect.signature(public).parameters), name

@@ -212,6 +212,36 @@ def test_extension_checks_arguments_itself(gpu_kernels):
             torch.ops.hisparse_ops.resolve_residency(*bad.op_args())
 
 
+def test_k46_step_ops_equal_the_reference_and_the_launchers(gpu_kernels):
+    """docs/worker.md K46: the runtime's StepOps (no Python checks) resolve
+    fuzzed MTP union batches as the reference does, gather the bytes the
+    checked launcher gathers, and still get the C++ op's named errors."""
+    step_ops = gpu_kernels.StepOps()
+    fuzz = ResolveFuzzer(FuzzSpec(top_k=64, hot_size=128, block_size=16,
+                                  max_query_len=2, num_reqs=5, num_states=7,
+                                  seed=46, attn_block_stride=32))
+    resolve_and_compare(step_ops, fuzz, steps=3, label="StepOps ")
+    case = fuzz.step()
+    gpu = run_kernel(step_ops, case.to(CUDA))
+    host = random_rows(case.host_rows, 656,
+                       torch.Generator().manual_seed(46)).pin_memory()
+    blocks = int(case.hot_bt.max()) + 2
+    a = torch.zeros(blocks, 16, 656, dtype=torch.uint8, device=CUDA)
+    b = a.clone()
+    gpu_kernels.gather_compact(host, a, gpu.plan_src, gpu.plan_dst, gpu.plan_count)
+    step_ops.gather_compact(host, b, gpu.plan_src, gpu.plan_dst, gpu.plan_count)
+    torch.cuda.synchronize()
+    assert int(gpu.plan_count.sum()) > 0
+    assert_same_tensor("StepOps gather", b, a)
+    bad = case.to(CUDA)
+    bad.lru = bad.lru.to(I32)
+    with pytest.raises(RuntimeError, match="lru must be int16"):
+        run_kernel(step_ops, bad)
+    with pytest.raises(RuntimeError, match="dst must be uint8"):
+        step_ops.gather_compact(host, b.view(torch.int8), gpu.plan_src,
+                                gpu.plan_dst, gpu.plan_count)
+
+
 # ---------------------------------------------------------------------------
 # CUDA graphs (K-12, INV-32)
 # ---------------------------------------------------------------------------

@@ -24,12 +24,14 @@ def kernels():
 
 
 class CudaRig(WorkerRig):
-    """WorkerRig on CUDA: GPU slab and tables, real ops, real streams."""
+    """WorkerRig on CUDA: GPU slab and tables, real ops (the runtime's
+    StepOps, as bind_runtime gives it: docs/worker.md K46), real streams."""
 
     def __init__(self, kernels, *, freq: int = 1, eager: bool = True,
                  prefetch_followers: bool = False):
         config = tiny_config(freq=freq)
-        super().__init__(config=config, eager=eager, device="cuda", ops=kernels,
+        super().__init__(config=config, eager=eager, device="cuda",
+                         ops=kernels.StepOps(),
                          pool=HostPool(config.host_pool), page_copy=None,
                          prefetch_followers=prefetch_followers)
 

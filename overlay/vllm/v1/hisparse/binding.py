@@ -311,7 +311,7 @@ def bind_runtime(
         slab,
         host_pool,
         RunnerBatchState(runner),
-        kernels,
+        kernels.StepOps(),  # K46: the C++ ops check what a launch needs
         max_num_seqs=scheduler_config.max_num_seqs,
         max_num_tokens=scheduler_config.max_num_batched_tokens,
         runner_views=kv_caches,

@@ -17,6 +17,10 @@ Where the extension is looked for, in order:
 3. ``vllm/_hisparse_C*.so`` from a full vLLM source build
    (``csrc/hisparse/hisparse.cmake``).
 
+The runtime launches through ``StepOps`` instead (docs/worker.md K46): the
+same signatures, straight to the registered ops, whose C++ entry points make
+the same checks; a step does not pay for them twice.
+
 Launchers never synchronise with the device and never read device values on
 the host, so they are safe inside CUDA-graph capture (INV-32); all checks look
 at tensor metadata only. This module imports only torch and the standard
@@ -674,3 +678,76 @@ def new_hot_state(num_states: int, hot_size: int,
     lru = torch.arange(hot_size, dtype=torch.int16,
                        device=device).repeat(num_states, 1)
     return dgi, lru
+
+
+# ---------------------------------------------------------------------------
+# The runtime's per-step launches (docs/worker.md K46)
+# ---------------------------------------------------------------------------
+
+class StepOps:
+    """The ops as the runtime launches them every step: straight to the
+    extension's registered ops, without this module's Python checks.
+
+    Each op's C++ entry point checks the same preconditions (torch_glue.h
+    ``check_cuda``/``check_size``/``check_plan``, the resolver's
+    shared-memory and INV-14 bounds, the byte views) and raises with the
+    argument's name, so nothing goes unchecked; the Python checks cost
+    ~30 us per resolver call and ~8 us per gather on the host, paid for
+    every sparse layer of every eager (mixed) step. The public launchers
+    above keep them for direct callers. Signatures are the launchers',
+    the runtime's ``KernelOps``."""
+
+    def __init__(self, namespace=None) -> None:
+        ns = _ops() if namespace is None else namespace
+        # OpOverloads bound once: no attribute lookup or overload
+        # resolution per launch.
+        self._resolve = ns.resolve_residency.default
+        self._gather_compact = ns.gather_compact.default
+        self._order_plan = ns.order_plan.default
+        self._order_step = ns.order_step.default
+        self._gather_ordered = ns.gather_ordered.default
+        self._gather_plan = ns.gather_plan.default
+        self._invalidate = ns.invalidate_written_slots.default
+        self._copy_descriptors = ns.copy_descriptors.default
+
+    def resolve_residency(self, topk, row_req, seq_lens, req_state, src_bt,
+                          res_bt, hot_bt, dgi, lru, host_rows, block_size,
+                          attn_block_stride, max_query_len, out_rows,
+                          valid_counts, plan_src, plan_dst, plan_count,
+                          miss_mask=None, resolved_g=None, stats=None, *,
+                          num_gpu_blocks):
+        self._resolve(topk, row_req, seq_lens, req_state, src_bt, res_bt,
+                      hot_bt, dgi, lru, host_rows, num_gpu_blocks, block_size,
+                      attn_block_stride, max_query_len, out_rows,
+                      valid_counts, plan_src, plan_dst, plan_count, miss_mask,
+                      resolved_g, stats)
+
+    def gather_compact(self, src, dst, plan_src, plan_dst, plan_count):
+        self._gather_compact(src, dst, plan_src, plan_dst, plan_count)
+
+    def order_plan(self, plan_src, plan_dst, plan_count):
+        self._order_plan(plan_src, plan_dst, plan_count)
+
+    def order_step(self, plan_src, plan_count, host_rows, keys, cells,
+                   sorted_keys, sorted_cells, total, temp):
+        self._order_step(plan_src, plan_count, host_rows, keys, cells,
+                         sorted_keys, sorted_cells, total, temp)
+
+    def gather_ordered(self, src, dst, plan_src, plan_dst, order, total):
+        self._gather_ordered(src, dst, plan_src, plan_dst, order, total)
+
+    def gather_plan(self, src, dst, src_rows, dst_rows, mask, req_state=None,
+                    out_rows=None, attn_block_stride=None):
+        stride = dst.shape[1] if attn_block_stride is None else attn_block_stride
+        self._gather_plan(src, dst, src_rows, dst_rows, mask, req_state,
+                          out_rows, stride)
+
+    def invalidate_written_slots(self, dgi, req_state, token_req, written_g):
+        self._invalidate(dgi, req_state, token_req, written_g)
+
+    def copy_descriptors(self, src_ptr, dst_ptr, nbytes):
+        self._copy_descriptors(src_ptr, dst_ptr, nbytes)
+
+    # Startup-time or already light: the public launchers.
+    order_step_temp_bytes = staticmethod(order_step_temp_bytes)
+    mirror_descriptors = staticmethod(mirror_descriptors)

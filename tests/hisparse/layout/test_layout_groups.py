@@ -22,6 +22,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 from vllm.v1.hisparse.config_checks import HiSparseConfigError
 from vllm.v1.hisparse.layout import build_hisparse_layout, classify_layers, pack_units
 from vllm.v1.hisparse.specs import (
+    mla_spec_fields as mla_fields,
     HiSparseHotSpec,
     HiSparseResidentSpec,
     HiSparseSourceSpec,
@@ -128,6 +129,36 @@ def test_index_share_unit_is_leader_plus_followers():
     assert layout.indexer_layers == (idx(0), idx(4))
     assert layout.group_page_bytes[1] == 2 * IDX_LAYER_PAGE
     assert layout.bytes_per_block == 4 * P_FP8
+
+
+def test_index_share_leaders_and_followers_share_one_attention_group():
+    """P2 (docs/worker.md K47): the runner keys attention groups by
+    (backend class, per-layer KV-cache spec, query heads), so the source
+    group's leader and follower specs must be one key: otherwise the runner
+    builds the same FlashMLA-sparse metadata twice per step (bench-tax run
+    17's profile: two builds with HiSparse on, one off). Each layer keeps its
+    own leader flag, and the layout keeps them in ``leaders``."""
+    layout = build_hisparse_layout(
+        specs(8, index_topk_freq=4, index_skip_topk_offset=1), params()
+    )
+    source = layout.kv_cache_groups[0].kv_cache_spec
+    assert isinstance(source, UniformTypeKVCacheSpecs)
+    per_layer = [source.kv_cache_specs[name] for name in layout.sparse_layers]
+    flags = tuple(spec.is_index_group_leader for spec in per_layer)
+    assert flags == layout.leaders == (True, False, False, False) * 2
+    # The runner's key, as gpu_model_runner.initialize_attn_backend forms it
+    # for one backend class and one head count.
+    keys = {("FlashMLASparseBackend", spec, 64) for spec in per_layer}
+    assert len(keys) == 1
+    leader, follower = per_layer[0], per_layer[1]
+    assert leader == follower and hash(leader) == hash(follower)
+    # The flag is still not a page-format difference that merging hides:
+    # any real field still separates two specs.
+    other = HiSparseSourceSpec.from_mla_spec(
+        MLAAttentionSpec(**{**mla_fields(leader), "block_size": 2 * leader.block_size}),
+        True,
+    )
+    assert other != leader
 
 
 def test_glm_pattern_units_and_pairs():

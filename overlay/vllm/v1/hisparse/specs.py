@@ -29,7 +29,7 @@ hot region is a fixed ``cdiv(H, B)`` blocks.
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
@@ -74,15 +74,23 @@ class HiSparseSourceSpec(MLAAttentionSpec):
     ``is_index_group_leader`` is True for a layer that runs its own indexer
     (in 0.26.0: ``MLAAttention.indexer is not None``, i.e. not ``skip_topk``)
     and False for an IndexShare follower that reuses the previous leader's
-    top-k. Per-layer flags differ, so the source group is a
-    ``UniformTypeKVCacheSpecs``; vLLM's scheduler-side collapse of such a
-    group keeps its first layer's spec, whose flag is then meaningless.
+    top-k. The source group is a ``UniformTypeKVCacheSpecs`` that keeps each
+    layer's flag; vLLM's scheduler-side collapse of such a group keeps its
+    first layer's spec, whose flag is then meaningless.
+
+    The flag is left out of equality and hash (``compare=False``): it says
+    where the layer's top-k comes from, not what its pages hold, and the
+    runner keys its attention groups by (backend, per-layer spec, heads).
+    Compared, it split an IndexShare model's sparse layers into a leader
+    and a follower attention group, two identical FlashMLA-sparse metadata
+    builds per step (~100 us of host time each on the GPU host; P2,
+    docs/worker.md K47). The layout keeps the flags in ``leaders``.
 
     ``max_memory_usage_bytes`` (inherited) is the host footprint of one
     request at max_model_len; the GPU accounting skips the source group.
     """
 
-    is_index_group_leader: bool = True
+    is_index_group_leader: bool = field(default=True, compare=False)
 
     def pages_per_request(self, max_model_len: int) -> int:
         """Host blocks one request of ``max_model_len`` tokens holds."""

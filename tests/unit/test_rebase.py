@@ -97,6 +97,26 @@ def removes_a_line(name: str) -> bool:
 CONFLICTED = next(n for n in SERIES[1:] if removes_a_line(n))
 
 
+def patch_files(name: str) -> set[str]:
+    return {ln.split(" b/", 1)[1] for ln in (ROOT / f"patches/{name}.patch").read_text().splitlines()
+            if ln.startswith("diff --git ")}
+
+
+# A patch the synthetic release leaves alone (neither the shifted context of
+# SERIES[0] nor CONFLICTED's file): its seams must read unchanged.
+UNTOUCHED = next(n for n in SERIES[1:] if n != CONFLICTED
+                 and not patch_files(n) & (patch_files(SERIES[0]) | patch_files(CONFLICTED)))
+
+# Patches that conflict at 0.27.1 and are to be redone there, each with its
+# reason (docs/workflow.md "Rebasing"): a new conflict still fails the test.
+REDO_AT_0_27_1 = {
+    # 0.27.1 rewrote OffloadingConnectorScheduler._build_store_jobs
+    # (storable_chunks, the eagle tail) and still re-derives every request's
+    # stores every step: the settled-request skip is to be rewritten there.
+    "kv-offload-scheduler-skip-settled-requests",
+}
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory) -> Path:
     subprocess.run([str(ROOT / "scripts/fetch.sh")], check=True, cwd=ROOT, stdout=subprocess.PIPE)
@@ -168,7 +188,7 @@ def test_synthetic_release_report(synthetic: Path, tmp_path: Path):
     # module level or in a class body by its own context lines.
     in_def = not (s["anchor"].startswith("module level") or s["anchor"].endswith("(class body)"))
     assert s["status"] == ("changed" if in_def else "context changed"), s
-    assert all(r["status"] in ("same", "context same") for r in d["seams"] if r["patch"] == SERIES[1])
+    assert all(r["status"] in ("same", "context same") for r in d["seams"] if r["patch"] == UNTOUCHED)
     # collisions, computed from overlay/MANIFEST and the patches
     c = d["collisions"]
     assert c["files"] == ["vllm/v1/hisparse/__init__.py", "vllm/v1/hisparse/layout.py"]
@@ -201,7 +221,9 @@ def test_real_release_from_pypi(tmp_path: Path):
     assert pinned_state() == before
     d = json.loads((report / "summary.json").read_text())
     assert re.fullmatch(r"[0-9a-f]{64}", d["sdist_sha256"])
-    assert {p["category"] for p in d["patches"]} <= {"unchanged", "needed work"}
+    conflicts = {p["patch"] for p in d["patches"] if p["category"] == "conflict"}
+    assert conflicts == REDO_AT_0_27_1
+    assert {p["category"] for p in d["patches"] if p["patch"] not in conflicts} <= {"unchanged", "needed work"}
     seams = {(r["file"], r["anchor"]): r["status"] for r in d["seams"]}
     assert seams[("vllm/v1/core/kv_cache_utils.py", "get_kv_cache_configs")] == "same"
     assert seams[("vllm/v1/core/kv_cache_coordinator.py", "get_kv_cache_coordinator")] == "same"

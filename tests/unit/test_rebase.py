@@ -108,7 +108,7 @@ UNTOUCHED = next(n for n in SERIES[1:] if n != CONFLICTED
                  and not patch_files(n) & (patch_files(SERIES[0]) | patch_files(CONFLICTED)))
 
 # Patches that conflict at 0.27.1 and are to be redone there, each with its
-# reason (docs/workflow.md "Rebasing"): a new conflict still fails the test.
+# reason (docs/workflow.md "Move to a new pin"): a new conflict still fails it.
 REDO_AT_0_27_1 = {
     # 0.27.1 rewrote OffloadingConnectorScheduler._build_store_jobs
     # (storable_chunks, the eagle tail) and still re-derives every request's

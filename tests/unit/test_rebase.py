@@ -98,8 +98,7 @@ CONFLICTED = next(n for n in SERIES[1:] if removes_a_line(n))
 
 
 def patch_files(name: str) -> set[str]:
-    return {ln.split(" b/", 1)[1] for ln in (ROOT / f"patches/{name}.patch").read_text().splitlines()
-            if ln.startswith("diff --git ")}
+    return {path for path, _, _ in hunks(name)}
 
 
 # A patch the synthetic release leaves alone (neither the shifted context of

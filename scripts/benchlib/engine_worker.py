@@ -561,6 +561,43 @@ STAGE_TARGETS = (
     "vllm.v1.hisparse.runtime:StepInputs.send",
     "vllm.v1.hisparse.metrics:DeviceCounterSampler.sample",
     "vllm.v1.hisparse.metrics:SchedulerMetrics.collect",
+    # The OffloadingConnector composed beside HiSparse (issue 16's "adds
+    # nothing"): its scheduler and worker halves, MultiConnector's fan-out
+    # and the engine's stats, each per step (take_events is a generator:
+    # a wrapper would time its creation only, so it is not listed).
+    "vllm.v1.core.sched.scheduler:Scheduler.make_stats",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:"
+    "MultiConnector.build_connector_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:"
+    "MultiConnector.update_connector_output",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:"
+    "MultiConnector.get_kv_connector_stats",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:"
+    "MultiConnector.start_load_kv",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:"
+    "MultiConnector.wait_for_save",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:"
+    "MultiConnector.get_finished",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector:"
+    "MultiConnector.build_connector_worker_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+    "OffloadingConnectorScheduler.build_connector_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+    "OffloadingConnectorScheduler.update_connector_output",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+    "OffloadingConnectorScheduler.get_stats",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker:"
+    "OffloadingConnectorWorker.start_kv_transfers",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker:"
+    "OffloadingConnectorWorker.prepare_store_kv",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker:"
+    "OffloadingConnectorWorker.get_finished",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker:"
+    "OffloadingConnectorWorker.build_connector_worker_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.offloading:"
+    "HiSparseOffloadingConnector.build_connector_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.offloading:"
+    "HiSparseOffloadingConnector.start_load_kv",
 )
 
 

@@ -747,8 +747,9 @@ def python_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: in
     """cProfile entries ({fn, calls, tottime, cumtime} in seconds) of M and
     of N + M new tokens -> per decode step (us): the stages of
     PYTHON_STAGES (cumulative), HiSparse's own functions together (self
-    time of every function in a hisparse module) and the top functions by
-    self time."""
+    time of every function in a hisparse module), the KV connectors' and
+    the offloader's together and their top functions, and the top
+    functions by self time."""
     if steps <= 0:
         raise ValueError("steps must be > 0")
     a = {e["fn"]: e for e in short}
@@ -767,11 +768,23 @@ def python_per_step(short: Iterable[Mapping], long: Iterable[Mapping], steps: in
         "note": "cProfile slows Python: shares of the host time, not wall time",
         "self_us_total": round(sum(self_us.values()), 1),
         "hisparse_self_us": round(sum(v for k, v in self_us.items() if "hisparse" in k), 1),
+        "connector_self_us": round(sum(v for k, v in self_us.items() if _connector_fn(k)), 1),
         "stages_cum_us": stages,
-        "top_self": [{"fn": k, "self_us": round(self_us[k], 2),
-                      "calls": round(calls[k] / 1e6, 3)}
-                     for k in sorted(self_us, key=lambda k: -self_us[k])[:top]],
+        "top_self": _top(self_us, calls, self_us, top),
+        "connector_top_self": _top(self_us, calls, [k for k in self_us if _connector_fn(k)], top),
     }
+
+
+def _connector_fn(key: str) -> bool:
+    """A function of the KV connectors or the offloader (HiSparse's own
+    connector included): what composing the OffloadingConnector adds."""
+    return "/kv_connector/" in key or "/kv_offload/" in key
+
+
+def _top(self_us: Mapping[str, float], calls: Mapping[str, float], keys: Iterable[str],
+         top: int) -> list[dict]:
+    return [{"fn": k, "self_us": round(self_us[k], 2), "calls": round(calls[k] / 1e6, 3)}
+            for k in sorted(keys, key=lambda k: -self_us[k])[:top]]
 
 
 def stages_per_step(stages: Mapping, steps: int) -> dict:

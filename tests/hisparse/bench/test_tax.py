@@ -581,6 +581,32 @@ def test_python_per_step_attributes_host_time_to_stages_and_hisparse():
         tax.python_per_step([], [], 0)
 
 
+def test_python_per_step_splits_out_the_connectors_self_time():
+    """Issue 16's "the OffloadingConnector adds nothing": the self time of
+    the KV connectors and the offloader (kv_connector/, kv_offload/) is
+    summed and listed apart from the step's other functions."""
+    def ev(k):
+        return [
+            {"fn": "vllm/v1/core/sched/scheduler.py:300(schedule)", "calls": k,
+             "tottime": 20e-6 * k, "cumtime": 80e-6 * k},
+            {"fn": "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:"
+                   "1153(build_connector_meta)", "calls": k,
+             "tottime": 6e-6 * k, "cumtime": 9e-6 * k},
+            {"fn": "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py:"
+                   "418(build_connector_meta)", "calls": k,
+             "tottime": 2e-6 * k, "cumtime": 11e-6 * k},
+            {"fn": "vllm/v1/kv_offload/cpu/manager.py:300(get_stats)", "calls": k,
+             "tottime": 3e-6 * k, "cumtime": 3e-6 * k},
+        ]
+    p = tax.python_per_step(ev(16), ev(144), 128)
+    assert p["connector_self_us"] == pytest.approx(11)
+    assert p["self_us_total"] == pytest.approx(31)
+    assert [e["fn"].rsplit("/", 1)[1] for e in p["connector_top_self"]] == [
+        "scheduler.py:1153(build_connector_meta)", "manager.py:300(get_stats)",
+        "multi_connector.py:418(build_connector_meta)"]
+    assert p["top_self"][0]["fn"].endswith("(schedule)")
+
+
 def test_engines_get_disjoint_equal_core_sets():
     """P2's method: engines started side by side never share a core."""
     sets = tax.cpu_sets(list(range(16)), 4)

@@ -7,6 +7,8 @@
 #   upstream  vLLM's own suites listed in ci/upstream-suites.txt (target T3)
 #   kernels   compile-only build of the CUDA kernels when nvcc is present
 # Any extra arguments after -- go to every pytest call.
+# On two cores or more the tooling tier runs beside the others (below);
+# HISPARSE_TEST_LANES=1 runs every tier one after the other.
 source "$(dirname "$0")/lib.sh"
 
 venv=$HS_ROOT/.venv only=() extra=()
@@ -54,39 +56,75 @@ pytest_() { hs_run "$py" -m pytest -p no:cacheprovider -o tmp_path_retention_pol
 # fresh_clone_sample.py): the outer run, which runs them all, is the caller.
 sample=()
 [[ ${HISPARSE_FRESH_CLONE:-} == 1 ]] && sample=(-p fresh_clone_sample)
-failed=()
+# Each tier's failures go to one file, so that a tier run in the second
+# lane (below) reports them too.
+fails=$(mktemp); trap 'rm -f "$fails"' EXIT
+fail() { echo "$1" >> "$fails"; }
 
-if wants tooling; then
-  pytest_ "$HS_ROOT/tests/unit" || failed+=(tooling)
-fi
-if wants hisparse; then
-  (cd "$HS_ROOT" && pytest_ -p cpu_noclean "${sample[@]}" tests/hisparse) || failed+=(hisparse)
-fi
-if wants upstream; then
+# The GPU wheel's build (tests/unit/test_gpu_wheel.py, ~5 min of nvcc and
+# pip) is the tooling tier's one part that can run apart from the rest.
+wheel_tests=$HS_ROOT/tests/unit/test_gpu_wheel.py
+run_tooling() { pytest_ "$HS_ROOT/tests/unit" "$@" || fail tooling; }
+run_wheel() { pytest_ "$wheel_tests" || fail tooling; }
+run_hisparse() { (cd "$HS_ROOT" && pytest_ -p cpu_noclean "${sample[@]}" tests/hisparse) || fail hisparse; }
+run_upstream() {
   # Run the suites from a copy of the patched tree's tests/ so that `vllm`
   # is imported from the installed wheel, not from the source tree.
-  suites=$HS_WORK/upstream-tests
+  local suites=$HS_WORK/upstream-tests line plain=() args
   rm -rf "$suites"; mkdir -p "$suites"
   cp -r "$tree/tests" "$tree/pyproject.toml" "$suites/"
-  plain=()
   while read -r line; do
     [[ -z "$line" || "$line" == \#* ]] && continue
     if [[ "$line" == *" "* ]]; then
       eval "args=($line)"
-      (cd "$suites" && pytest_ -p cpu_noclean "${sample[@]}" "${args[@]}") || failed+=("upstream:${args[0]}")
+      (cd "$suites" && pytest_ -p cpu_noclean "${sample[@]}" "${args[@]}") || fail "upstream:${args[0]}"
     else
       plain+=("$line")
     fi
   done < "$HS_ROOT/ci/upstream-suites.txt"
-  (cd "$suites" && pytest_ -p cpu_noclean "${sample[@]}" "${plain[@]}") || failed+=(upstream)
-fi
-if wants kernels; then
+  (cd "$suites" && pytest_ -p cpu_noclean "${sample[@]}" "${plain[@]}") || fail upstream
+}
+run_kernels() {
   if command -v nvcc >/dev/null && [[ -x "$HS_ROOT/scripts/build-kernels.sh" ]]; then
-    hs_run "$HS_ROOT/scripts/build-kernels.sh" --compile-only --python "$py" || failed+=(kernels)
+    hs_run "$HS_ROOT/scripts/build-kernels.sh" --compile-only --python "$py" || fail kernels
   else
     hs_log "kernels: skipped (no nvcc or no scripts/build-kernels.sh)"
   fi
+}
+run_rest() {
+  if wants hisparse; then run_hisparse; fi
+  if wants upstream; then run_upstream; fi
+  if wants kernels; then run_kernels; fi
+}
+
+# Two lanes where the machine has two cores or more (CI's has two; pytest
+# uses one): the tooling tier, which the fresh-clone test makes the longest
+# (~25 min), beside the GPU wheel's tests and the other tiers, whose log is
+# shown when both lanes are done. No two tiers share a writable path: the
+# tooling tests work in their own tmp folders, the wheel in work/wheel, the
+# upstream tier in work/upstream-tests, the kernels in build/. Inside the
+# fresh-clone test's nested run the tiers run one after the other (the
+# outer run's lanes already use both cores).
+lanes=1
+if wants tooling && [[ ${HISPARSE_FRESH_CLONE:-} != 1 && ${HISPARSE_TEST_LANES:-2} != 1 ]] \
+   && (( $(nproc) >= 2 )); then
+  lanes=2
 fi
+if (( lanes == 2 )); then
+  lane_log=$HS_WORK/test-lane2.log
+  mkdir -p "$HS_WORK"
+  hs_log "two lanes: tooling here; the GPU wheel's tests and the other requested tiers beside it (log: $lane_log)"
+  ( run_wheel; run_rest ) > "$lane_log" 2>&1 &
+  lane2=$!
+  run_tooling --ignore="$wheel_tests"
+  wait "$lane2" || fail "lane 2 (exit status $?)"
+  echo "=== lane 2 (ran beside the tooling tier): the GPU wheel's tests and the other tiers"
+  cat "$lane_log"
+else
+  if wants tooling; then run_tooling; fi
+  run_rest
+fi
+mapfile -t failed < <(sort -u "$fails")
 
 if [[ ${#failed[@]} -gt 0 ]]; then
   hs_die "failed tiers: ${failed[*]}"

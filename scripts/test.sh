@@ -58,7 +58,15 @@ sample=()
 [[ ${HISPARSE_FRESH_CLONE:-} == 1 ]] && sample=(-p fresh_clone_sample)
 # Each tier's failures go to one file, so that a tier run in the second
 # lane (below) reports them too.
-fails=$(mktemp); trap 'rm -f "$fails"' EXIT
+fails=$(mktemp) lanes_pids=()
+# The lanes (below) must not outlive this script: a CI timeout or ^C stops
+# their pytest too. Both run in the background and the script waits on them,
+# so that a signal reaches this trap at once (bash runs traps only between
+# foreground commands).
+kill_tree() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done; kill "$1" 2>/dev/null || true; }
+stop_lanes() { local p; for p in "${lanes_pids[@]}"; do kill -0 "$p" 2>/dev/null && kill_tree "$p"; done; true; }
+trap 'stop_lanes; rm -f "$fails"' EXIT
+trap 'exit 130' INT TERM
 fail() { echo "$1" >> "$fails"; }
 
 # The GPU wheel's build (tests/unit/test_gpu_wheel.py, ~5 min of nvcc and
@@ -115,9 +123,11 @@ if (( lanes == 2 )); then
   mkdir -p "$HS_WORK"
   hs_log "two lanes: tooling here; the GPU wheel's tests and the other requested tiers beside it (log: $lane_log)"
   ( run_wheel; run_rest ) > "$lane_log" 2>&1 &
-  lane2=$!
-  run_tooling --ignore="$wheel_tests"
-  wait "$lane2" || fail "lane 2 (exit status $?)"
+  lanes_pids+=($!)
+  run_tooling --ignore="$wheel_tests" &
+  lanes_pids+=($!)
+  wait "${lanes_pids[1]}" || fail "tooling lane (exit status $?)"
+  wait "${lanes_pids[0]}" || fail "lane 2 (exit status $?)"
   echo "=== lane 2 (ran beside the tooling tier): the GPU wheel's tests and the other tiers"
   cat "$lane_log"
 else

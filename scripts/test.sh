@@ -107,10 +107,12 @@ run_rest() {
 
 # Two lanes where the machine has two cores or more (CI's has two; pytest
 # uses one): the tooling tier, which the fresh-clone test makes the longest
-# (~25 min), beside the GPU wheel's tests and the other tiers, whose log is
-# shown when both lanes are done. No two tiers share a writable path: the
-# tooling tests work in their own tmp folders, the wheel in work/wheel, the
-# upstream tier in work/upstream-tests, the kernels in build/. Inside the
+# (29 min in CI), beside the GPU wheel's tests and the other tiers, whose log
+# is shown when both lanes are done. The lanes write to different places: the
+# tooling tests to their own tmp folders, the wheel to work/wheel, the
+# upstream tier to work/upstream-tests, the kernels to build/. They share
+# only pip's download cache (the fresh clone's build and the wheel's build
+# venv), which pip writes atomically. Inside the
 # fresh-clone test's nested run the tiers run one after the other (the
 # outer run's lanes already use both cores).
 lanes=1

@@ -112,6 +112,11 @@ class TaxConfig:
     seed: int = 0
     index_topk_freq: int = 1  # >1: IndexShare (layers share a top-k in groups)
     rotate_cores: bool = True  # rotated_sets: every arm visits every core set
+    noise_stop: bool = True
+    """Stop at the first cell whose A/A control (off_b/off) misses the
+    method's floor while cells remain (``aa_noise``): every later ratio
+    would be read against a failed control, and the device time is better
+    spent on another host."""
     start: str = "auto"
     """Engine starts: ``together`` (every engine side by side, the run's
     whole length), ``by-group`` (each (mode, layers) group's engines only
@@ -548,6 +553,23 @@ def p2_resolved(samples: Iterable[Mapping]) -> bool | None:
     est = estimator_of({a: arms[a] for a in ("on", "off")})
     r = ratio(arms["on"], arms["off"], "p2", est, statistic_of(est))
     return targets.interval_entry(r["interval90"], targets.P2_RATIO).get("resolved")
+
+
+def aa_noise(samples: Iterable[Mapping]) -> float | None:
+    """One cell's A/A ratio (off_b / off, by the cell's estimator and
+    statistic, as ``summarize`` reads it) where it misses the method's
+    floor (``AA_TOLERANCE``); None where it holds or either arm is absent.
+    Runs 19 and 20 (results/tax/README.md) spent 184 and 340 s of device
+    time on hosts whose first cell already read 1.17-1.34."""
+    arms: dict[str, list[Mapping]] = {}
+    for s in samples:
+        if not s.get("warmup"):
+            arms.setdefault(s["arm"], []).append(s)
+    if "off" not in arms or "off_b" not in arms:
+        return None
+    est = estimator_of(arms)
+    r = ratio(arms["off_b"], arms["off"], "aa_control", est, statistic_of(est))["ratio"]
+    return r if r is not None and abs(r - 1) > AA_TOLERANCE else None
 
 
 def fits(summary: Mapping, num: str = "on", den: str = "off") -> dict:

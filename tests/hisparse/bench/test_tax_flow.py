@@ -170,6 +170,35 @@ def test_core_sets_rotate_so_a_slow_set_weighs_on_every_arm(tax_cmd, monkeypatch
     assert rep["samples"][0]["busy_threads"][0]["name"] == "python"
 
 
+@pytest.mark.parametrize("noise_stop", [True, False])
+def test_a_failed_aa_control_ends_the_run(tax_cmd, monkeypatch, noise_stop):
+    """P2's method (runs 19-20 spent 184 and 340 s of device time on hosts
+    whose first cell's A/A already read 1.17-1.34): the first cell whose
+    off_b/off misses the 5% floor ends the run, its failures say why, and
+    the later cells are not measured; --no-noise-stop measures them. The
+    last cell has nothing after it to save: its failed control is left to
+    the aa_control verdict (test_core_sets_rotate_...: rc 0)."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("FAKE_ENGINE_SLOW_CPUS", "1")  # off_b's cores: 1.3x
+    args = ["--arms", "off,off_b", "--modes", "fdo,default", "--start", "by-group",
+            "--batches", "1,16", "--reps", "3", "--no-rotate-cores"]
+    rc, rep, _ = tax_cmd(*args, *([] if noise_stop else ["--no-noise-stop"]))
+    measured = {(s["mode"], s["batch"]) for s in rep["samples"]}
+    assert rep["targets"]["aa_control"]["pass"] is False
+    if noise_stop:
+        assert rc == 1 and measured == {("fdo", 1)}
+        assert len(rep["failures"]) == 1
+        assert rep["failures"][0].startswith("fdo/L4/batch1: A/A control off_b/off 1.300 "
+                                             "misses the method's floor")
+        assert "3 cell(s) unmeasured" in rep["failures"][0]
+        assert not any(k.startswith("default/") for k in rep["engines"])  # never started
+    else:
+        assert rc == 0 and rep["failures"] == []
+        assert measured == {(m, b) for m in ("fdo", "default") for b in (1, 16)}
+
+
 def test_the_step_clock_is_the_estimator_where_every_sample_has_it(tax_cmd, monkeypatch):
     """P2's method (run 5: A/A 0.89-1.05 by the difference of totals, one
     sample's first generation 0.5 s slow): where every sample carries the

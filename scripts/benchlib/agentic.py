@@ -838,6 +838,9 @@ def build_report(*, cfg: AgenticConfig | None, command: str | None, arms: dict,
         per_step = host_ms_per_step(lv, rate)
         if per_step is not None:
             lv = {**lv, "host_ms_per_step": per_step}
+        active = targets.workload_activity(lv.get("series"))
+        if active is not None:
+            lv = {**lv, "active": active}  # what P4 reads (the tool's startup left out)
         by_key[level_key(lv)] = lv
     levels = sorted(by_key.values(), key=lambda lv: (int(lv["concurrency"]), lv["arm"]))
     s = cfg.shape() if cfg else None

@@ -94,6 +94,9 @@ def test_all_arms_every_level(agentic_cmd, tmp_path):
         assert lv["server"]["generation_tokens"] == lv["client"]["output_tokens"]
         assert lv["client_vs_server_tokens"] == 1.0
         assert lv["reset"]["reset"] is True and lv["series"]
+        # P4's figure: the mean over the span a request was in the server
+        assert 0 < lv["active"]["mean_running"] <= c
+        assert lv["active"]["window_s"] <= lv["server"]["window_s"] + 1.0
         assert "--num-clients" in lv["tool_command"]
         assert lv["workload_fit"]["trimmed_conversations"] == 0  # short ones: nothing to trim
     by = {(lv["arm"], lv["concurrency"]): lv for lv in rep["levels"]}

@@ -83,6 +83,54 @@ def test_p4_notes_a_level_too_low_to_show_the_ratio():
     assert v["measured"]["levels"][8]["p4_attainable"] is False and v["pass"] is False
 
 
+def series(lead_s, busy_s, running, tail_s=2.0, poll=0.5):
+    """A level's polled series: the tool's startup (nothing in the
+    server), the workload, then idle until the poller stops."""
+    out, t = [], -1.0
+    for dur, r, w in ((lead_s, 0, 0), (busy_s, running, 2), (tail_s, 0, 0)):
+        for _ in range(round(dur / poll)):
+            out.append([round(t, 2), r, w])
+            t += poll
+    return out
+
+
+def test_workload_activity_leaves_out_the_tools_startup_and_the_idle_tail():
+    """P4 (bench-agentic run 21: 14 s of startup in HiSparse's 60-s window,
+    12 s in the offloader's 97): the mean over the span a request was in
+    the server, its ends known to a poll interval (a sample's value holds
+    until the next, so the span runs from the last idle sample before the
+    first request to the first idle one after the last)."""
+    s = series(14.0, 46.0, 11)
+    act = T.workload_activity(s)
+    assert act["window_s"] == pytest.approx(46.5)  # 46 s busy + the idle poll before
+    assert act["idle_lead_s"] == pytest.approx(13.5) and act["idle_tail_s"] == pytest.approx(1.5)
+    assert act["mean_running"] == pytest.approx(11 * 46 / 46.5)
+    assert act["peak_running"] == 11 and act["mean_waiting"] == pytest.approx(2 * 46 / 46.5)
+    assert T.workload_activity(series(5.0, 0.0, 3)) is None  # nothing ever ran
+    assert T.workload_activity(None) is None and T.workload_activity([]) is None
+    # a pause inside the workload still counts (only the ends are idle)
+    gap = series(4.0, 10.0, 6)[:-4] + [[11.0, 0, 0], [11.5, 0, 0], [12.0, 6, 0], [12.5, 0, 0]]
+    assert T.workload_activity(gap)["window_s"] == pytest.approx(12.5 - 2.5)
+
+
+def test_p4_compares_arms_over_their_workloads_not_the_tools_windows():
+    """The same startup weighs more on the arm that finishes sooner: over
+    the tool's window HiSparse's 11 running read 2.9x the offloader's 3.2
+    (run 21's 8.29 / 2.79 = 2.97x); over each workload's span, 3.4x. The
+    level window's mean stays beside it."""
+    levels = [lv("plain", 32, 2.9), lv("offload", 32, 2.79), lv("hisparse", 32, 8.29)]
+    for rec, (busy, running) in zip(levels, ((103.0, 3.27), (84.0, 3.2), (46.0, 11.0))):
+        rec["series"] = series(14.0, busy, running)
+    row = T.p4(levels)["measured"]["levels"][32]
+    assert row["hisparse_vs_offload"] == pytest.approx(
+        (11.0 * 46 / 46.5) / (3.2 * 84 / 84.5), abs=1e-3)
+    assert row["hisparse_vs_offload"] > 3.0
+    assert row["hisparse"]["mean_running_tool_window"] == 8.29
+    # no series kept: the level window's mean, as before
+    assert T.p4([lv("plain", 32, 2.9), lv("offload", 32, 2.79), lv("hisparse", 32, 8.29)])[
+        "measured"]["levels"][32]["hisparse_vs_offload"] == pytest.approx(8.29 / 2.79, abs=1e-3)
+
+
 def test_p5_uses_the_highest_level_the_baseline_sustains():
     levels = [lv("offload", 8, 5, tok_s=100, tpot=10), lv("hisparse", 8, 8, tok_s=250, tpot=9),
               lv("offload", 16, 5, tok_s=90, tpot=20, failures=2),

@@ -540,14 +540,20 @@ def ratio(num: list[Mapping], den: list[Mapping], what: str,
             "pairwise": stats.spread([n / d for n, d in paired])}
 
 
-def p2_resolved(samples: Iterable[Mapping]) -> bool | None:
-    """Whether one cell's samples (one mode, layer count and batch)
-    resolve P2: the 90% interval of on/off by the cell's statistic lies on
-    one side of 1.10. None without both arms or below three repetitions."""
+def _cell_arms(samples: Iterable[Mapping]) -> dict[str, list[Mapping]]:
+    """One cell's measured samples (warm-ups left out) by arm."""
     arms: dict[str, list[Mapping]] = {}
     for s in samples:
         if not s.get("warmup"):
             arms.setdefault(s["arm"], []).append(s)
+    return arms
+
+
+def p2_resolved(samples: Iterable[Mapping]) -> bool | None:
+    """Whether one cell's samples (one mode, layer count and batch)
+    resolve P2: the 90% interval of on/off by the cell's statistic lies on
+    one side of 1.10. None without both arms or below three repetitions."""
+    arms = _cell_arms(samples)
     if "on" not in arms or "off" not in arms:
         return None
     est = estimator_of({a: arms[a] for a in ("on", "off")})
@@ -559,12 +565,9 @@ def aa_noise(samples: Iterable[Mapping]) -> float | None:
     """One cell's A/A ratio (off_b / off, by the cell's estimator and
     statistic, as ``summarize`` reads it) where it misses the method's
     floor (``AA_TOLERANCE``); None where it holds or either arm is absent.
-    Runs 19 and 20 (results/tax/README.md) spent 184 and 340 s of device
-    time on hosts whose first cell already read 1.17-1.34."""
-    arms: dict[str, list[Mapping]] = {}
-    for s in samples:
-        if not s.get("warmup"):
-            arms.setdefault(s["arm"], []).append(s)
+    Run 20 (results/tax/README.md) spent 340 s of device time after its
+    first cell's A/A had read 1.20."""
+    arms = _cell_arms(samples)
     if "off" not in arms or "off_b" not in arms:
         return None
     est = estimator_of(arms)

@@ -172,8 +172,8 @@ def test_core_sets_rotate_so_a_slow_set_weighs_on_every_arm(tax_cmd, monkeypatch
 
 @pytest.mark.parametrize("noise_stop", [True, False])
 def test_a_failed_aa_control_ends_the_run(tax_cmd, monkeypatch, noise_stop):
-    """P2's method (runs 19-20 spent 184 and 340 s of device time on hosts
-    whose first cell's A/A already read 1.17-1.34): the first cell whose
+    """P2's method (run 20 spent 340 s of device time after its first
+    cell's A/A had read 1.20): the first cell whose
     off_b/off misses the 5% floor ends the run, its failures say why, and
     the later cells are not measured; --no-noise-stop measures them. The
     last cell has nothing after it to save: its failed control is left to

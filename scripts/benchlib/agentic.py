@@ -96,6 +96,12 @@ ARMS: dict[str, dict] = {
                            "doc": "as hisparse, with R35's admission back-off off (an "
                                   "ablation: HISPARSE_ABLATE through the bench's plugin): "
                                   "every step retries a failed admission's lookups"},
+    "plain_ample": {"vllm": "ours", "prior_tok_s": {8: 1500, 16: 1500}, "ample_kv": True,
+                    "doc": "a control: plain vLLM with a GPU KV budget that holds every "
+                           "request it may run (its --max-num-seqs or @N, each at the "
+                           "workload's longest context), so it never preempts; served "
+                           "@N near HiSparse's running count, its TPOT is vLLM's own "
+                           "cost of that batch (P5's batch control)"},
     "upstream": {"vllm": "upstream", "prior_tok_s": {8: 820, 16: 820}, "doc": "upstream vLLM 0.30.0's HiSparse "
                                             "(HiSparseConnector, model runner V2)"},
 }
@@ -429,6 +435,28 @@ class AgenticConfig:
     def max_num_seqs_of(self, arm: str) -> int:
         return arm_cap(arm) or self.max_num_seqs
 
+    def kv_bytes_of(self, arm: str) -> int:
+        """The arm's --kv-cache-memory-bytes: the run's budget, or for an
+        ample arm (the batch control) enough for ``max_num_seqs_of(arm)``
+        requests at the workload's longest context (never less)."""
+        if not ARMS[arm_base(arm)].get("ample_kv"):
+            return self.kv_bytes
+        return max(self.kv_bytes, ample_kv_bytes(self.max_num_seqs_of(arm),
+                                                 self.shape().max_context()))
+
+
+# An ample arm's budget over its requests' rows: PLAIN_BYTES_PER_TOKEN is a
+# fit from the e2e engines' pool, not the allocator's arithmetic, and each
+# request rounds up to whole blocks; a preemption would spoil the control.
+AMPLE_MARGIN = 1.25
+
+
+def ample_kv_bytes(seqs: int, max_context: int) -> int:
+    """GPU KV bytes for ``seqs`` requests of ``max_context`` tokens each on
+    plain vLLM's pool (4 layers), with AMPLE_MARGIN, in whole MiB."""
+    need = seqs * max_context * PLAIN_BYTES_PER_TOKEN * AMPLE_MARGIN
+    return math.ceil(need / MIB) * MIB
+
 
 def pressure_hint(cfg: AgenticConfig) -> dict:
     """How far the workload exceeds plain vLLM's pool (rough: 4 layers)."""
@@ -495,7 +523,7 @@ def is_ours(arm: str) -> bool:
 def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
     arm = arm_base(arm)  # a cap is server_command's --max-num-seqs
     force_mqa = json.dumps({"sparse_mla_force_mqa": True})
-    if arm == "plain":
+    if arm in ("plain", "plain_ample"):  # the same engine; the budget is server_command's
         flags = ["--attention-config", force_mqa]
     elif arm == "offload":
         flags = ["--attention-config", force_mqa,
@@ -568,7 +596,7 @@ def server_command(arm: str, cfg: AgenticConfig, python: str, model_dir: str,
             "--port", str(cfg.port(arm)), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
             "--max-model-len", str(cfg.max_model_len),
             "--max-num-batched-tokens", str(cfg.chunk), "--max-num-seqs", str(cfg.max_num_seqs_of(arm)),
-            "--kv-cache-memory-bytes", str(cfg.kv_bytes),
+            "--kv-cache-memory-bytes", str(cfg.kv_bytes_of(arm)),
             "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
             "--seed", str(cfg.seed), "--generation-config", "vllm",
             "--load-format", "hisparse_seeded" if cfg.weights == "seeded" else "dummy",

@@ -19,6 +19,7 @@ THROUGHPUT_PNG = "bench-agentic-throughput.png"
 RUNNING_PNG = "bench-agentic-running.png"
 COLORS = {"plain": "tab:gray", "offload": "tab:blue", "hisparse": "tab:red",
           "hisparse_pf": "tab:orange", "hisparse_nobackoff": "tab:purple",
+          "plain_ample": "tab:brown",
           "upstream": "tab:green"}
 
 

@@ -209,7 +209,7 @@ def test_warm_sizes_cover_every_eager_size_class_and_residue():
 
 
 @pytest.mark.parametrize("arm", ["plain", "offload", "hisparse", "hisparse_pf", "hisparse@6",
-                                 "hisparse_nobackoff"])
+                                 "hisparse_nobackoff", "plain_ample@12"])
 def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     """`vllm serve`'s own parser and EngineArgs -> VllmConfig (CPU
     platform): same budget and limits everywhere; the connector and
@@ -234,8 +234,9 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     assert ea.compilation_config.cudagraph_capture_sizes == [1, 2, 4]  # before the CPU's reset
     vc = ea.create_engine_config()
     assert args.port == c.port(arm) and args.served_model_name == [agentic.SERVED_NAME]
-    assert vc.cache_config.kv_cache_memory_bytes == c.kv_bytes
-    assert vc.scheduler_config.max_num_seqs == (6 if arm == "hisparse@6" else c.max_num_seqs)
+    assert vc.cache_config.kv_cache_memory_bytes == c.kv_bytes_of(arm)
+    assert (c.kv_bytes_of(arm) > c.kv_bytes) == (arm == "plain_ample@12")
+    assert vc.scheduler_config.max_num_seqs == (agentic.arm_cap(arm) or c.max_num_seqs)
     assert args.max_num_batched_tokens == c.chunk  # the CPU platform resizes it in vc
     assert vc.attention_config.sparse_mla_force_mqa is True
     hs = vc.attention_config.hisparse_config
@@ -244,7 +245,7 @@ def test_vllm_serve_accepts_our_server_commands(arm, tmp_path):
     assert connector == {"plain": None, "offload": "OffloadingConnector",
                          "hisparse": "MultiConnector", "hisparse_pf": "MultiConnector",
                          "hisparse@6": "MultiConnector",
-                         "hisparse_nobackoff": "MultiConnector"}[arm]
+                         "hisparse_nobackoff": "MultiConnector", "plain_ample@12": None}[arm]
     if hs is not None:
         assert hs.host_pool_gib == c.host_pool_gib
         assert hs.prefetch_followers == (arm == "hisparse_pf")
@@ -585,3 +586,25 @@ def test_host_ms_per_step_converts_the_engine_samples_by_vllms_step_count():
 def test_tax_verdict_comes_from_bench_tax():
     assert agentic.tax_verdict({"targets": {"P8_tax": {"pass": False}}}) == {"pass": False}
     assert agentic.tax_verdict(None) is None
+
+
+def test_the_batch_control_holds_every_request_it_may_run():
+    """plain_ample (P5's batch control): the only arm whose budget is not
+    the run's; it holds its cap's (or --max-num-seqs') requests at the
+    workload's longest context with a margin, in whole MiB, never below
+    --kv-bytes; the arm runs plain's engine."""
+    c = cfg(arms=["offload", "hisparse", "plain_ample@12"])
+    longest = c.shape().max_context()
+    ample = c.kv_bytes_of("plain_ample@12")
+    assert ample % agentic.MIB == 0
+    assert ample >= 12 * longest * agentic.PLAIN_BYTES_PER_TOKEN * agentic.AMPLE_MARGIN
+    assert ample - agentic.MIB < 12 * longest * agentic.PLAIN_BYTES_PER_TOKEN * agentic.AMPLE_MARGIN
+    assert c.kv_bytes_of("plain_ample") == agentic.ample_kv_bytes(c.max_num_seqs, longest)
+    assert {a: c.kv_bytes_of(a) for a in ("plain", "offload", "hisparse", "hisparse@6")} == \
+        dict.fromkeys(("plain", "offload", "hisparse", "hisparse@6"), c.kv_bytes)
+    assert agentic.arm_flags("plain_ample@12", c) == agentic.arm_flags("plain", c)
+    big = cfg(kv_bytes=64 << 30)
+    assert big.kv_bytes_of("plain_ample@2") == big.kv_bytes  # never less than the run's
+    cmd = agentic.server_command("plain_ample@12", c, "py", "/m")
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(ample)
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "12"

@@ -161,6 +161,28 @@ def test_p5_reports_the_capped_hisparse_arms_beside_its_verdict():
     assert capped["hisparse@6"]["tpot_ratio"] == pytest.approx(0.95)
 
 
+def test_p5_reports_the_batch_control_beside_its_verdict():
+    """P5's batch control (plain_ample@N: plain vLLM that never preempts,
+    capped near HiSparse's running count): HiSparse's TPOT, tokens/s and
+    running over the control's, so a TPOT gap that vLLM's own batch
+    explains reads ~1 here; a control without figures is left out, and
+    the verdict stays HiSparse against the offloader."""
+    levels = [lv("offload", 32, 3, tok_s=100, tpot=2.0), lv("hisparse", 32, 11, tok_s=220, tpot=3.3),
+              lv("plain_ample@12", 32, 12, tok_s=240, tpot=3.0),
+              lv("plain_ample", 32, 30, tok_s=300, tpot=6.0),
+              lv("plain_ample@4", 32, 4, tok_s=None, tpot=None)]
+    v = T.p5(levels)
+    assert v["pass"] is False and v["measured"]["tpot_ratio"] == pytest.approx(1.65)
+    ctl = v["measured"]["batch_control"]
+    assert set(ctl) == {"plain_ample", "plain_ample@12"}
+    assert ctl["plain_ample@12"]["hisparse_tpot_ratio"] == pytest.approx(1.1)
+    assert ctl["plain_ample@12"]["hisparse_throughput_ratio"] == pytest.approx(220 / 240, abs=1e-3)
+    assert ctl["plain_ample@12"]["hisparse_running_ratio"] == pytest.approx(11 / 12, abs=1e-3)
+    assert ctl["plain_ample"]["hisparse_tpot_ratio"] == pytest.approx(0.55)
+    assert "batch_control" in T.p5(levels[:2])["measured"]  # none run: empty, not absent
+    assert T.p5(levels[:2])["measured"]["batch_control"] == {}
+
+
 def _stepped(arm, d_ms, m_ms, mixed, fast_bounds):
     """A level whose steps follow the ITL model exactly: a decode step d, a
     mixed step m, a mixed share of the steps ``mixed``."""

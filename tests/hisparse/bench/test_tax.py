@@ -387,6 +387,29 @@ def test_the_aa_control_judges_the_method_not_hisparse():
     assert none["targets"]["aa_control"]["pass"] is None
 
 
+def test_the_aa_control_stops_on_its_ratio_or_its_interval():
+    """The noise stop's reading of one cell (P2's method): an A/A within
+    5% and a tight interval holds; a ratio past 5% fails it (run 20's
+    1.20); a ratio within 5% whose 90% interval reaches past ±15% fails it
+    too (run 21: 0.995 by the fastest samples, 0.79-1.25); without both
+    off arms there is nothing to read."""
+    cell = {("fdo", 4, 16): 2.0}
+    steady = samples({"off": cell, "off_b": {("fdo", 4, 16): 2.04}}, reps=6)
+    assert tax.aa_noise(steady) is None
+    far = samples({"off": cell, "off_b": {("fdo", 4, 16): 2.4}}, reps=6)
+    assert tax.aa_noise(far) == "off_b/off 1.200 misses the method's floor (±5%)"
+    swings = (0.7, 1.3, 0.72, 1.28, 1.0, 1.01)  # off_b's repetitions, off steady
+    wide = [dict(s, ms_per_step=s["ms_per_step"] * swings[s["rep"]]) if s["arm"] == "off_b"
+            else s for s in steady]
+    r = tax.ratio([s for s in wide if s["arm"] == "off_b"], [s for s in wide if s["arm"] == "off"],
+                  "aa_control")
+    assert abs(r["ratio"] - 1) <= tax.AA_TOLERANCE  # the ratio alone would pass
+    why = tax.aa_noise(wide)
+    assert why is not None and why.startswith(f"off_b/off {r['ratio']:.3f}, but its 90% interval")
+    assert why.endswith("reaches past ±15%")
+    assert tax.aa_noise(samples({"off": cell, "on": cell}, reps=6)) is None
+
+
 # -------------------------------------------------------------- profile
 
 

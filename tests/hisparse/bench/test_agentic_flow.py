@@ -321,3 +321,24 @@ def test_sample_engines_summarizes_each_level(agentic_cmd, bench_agentic, monkey
         assert any("<string>" in k for k, _ in s["inclusive"]), s["inclusive"]
         assert set(s["marks"]) == set(bench_agentic.SAMPLE_MARKS)
     assert rep["targets"]["P5"]["measured"]["at_concurrency"] == 3
+
+
+def test_the_batch_control_runs_beside_the_arms_and_enters_p5(agentic_cmd):
+    """P5's batch control end to end: plain_ample@N is served and measured
+    at every level like any arm; P5's measured.batch_control carries HiSparse's TPOT and
+    running over it at P5's level; the verdict is still HiSparse against
+    the offloader."""
+    rc, rep, _ = agentic_cmd("--arms", "offload,hisparse,plain_ample@2", *SMALL)
+    assert rc == 0, rep["failures"]
+    assert {(lv["concurrency"], lv["arm"]) for lv in rep["levels"]} == {
+        (c, a) for c in (2, 3) for a in ("offload", "hisparse", "plain_ample@2")}
+    assert all(lv["status"] == "ok" for lv in rep["levels"])
+    p5 = rep["targets"]["P5"]["measured"]
+    assert p5["at_concurrency"] == 3
+    ctl = p5["batch_control"]["plain_ample@2"]
+    by = {(lv["arm"], lv["concurrency"]): lv for lv in rep["levels"]}
+    h, c = by[("hisparse", 3)], by[("plain_ample@2", 3)]
+    assert ctl["tpot_ms_p50"] == c["client"]["tpot_ms_p50"]
+    assert ctl["hisparse_tpot_ratio"] == pytest.approx(
+        h["client"]["tpot_ms_p50"] / c["client"]["tpot_ms_p50"], abs=1e-3)
+    assert 0 < ctl["mean_running"] <= 3

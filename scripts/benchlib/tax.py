@@ -667,7 +667,7 @@ OFFLOAD_TOLERANCE = 0.02
 AA_TOLERANCE = 0.05
 # The widest an A/A interval may reach before the host counts as too noisy
 # to resolve P2's 1.10: the quiet runs' (15-17) stayed within ±3.5%, the
-# runs that gave no verdict (10, 20, 21) reached ±19-25%.
+# runs that gave no verdict (10, 20, 21) reached ±18-39%.
 AA_INTERVAL_TOLERANCE = 0.15
 
 

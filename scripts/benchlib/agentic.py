@@ -98,10 +98,11 @@ ARMS: dict[str, dict] = {
                                   "every step retries a failed admission's lookups"},
     "plain_ample": {"vllm": "ours", "prior_tok_s": {8: 1500, 16: 1500}, "ample_kv": True,
                     "doc": "a control: plain vLLM with a GPU KV budget that holds every "
-                           "request it may run (its --max-num-seqs or @N, each at the "
-                           "workload's longest context), so it never preempts; served "
-                           "@N near HiSparse's running count, its TPOT is vLLM's own "
-                           "cost of that batch (P5's batch control)"},
+                           "conversation of the highest level at the workload's longest "
+                           "context, so it never preempts and every history stays in "
+                           "its prefix cache; served @N near HiSparse's running count, "
+                           "its TPOT is vLLM's own cost of that batch (P5's batch "
+                           "control)"},
     "upstream": {"vllm": "upstream", "prior_tok_s": {8: 820, 16: 820}, "doc": "upstream vLLM 0.30.0's HiSparse "
                                             "(HiSparseConnector, model runner V2)"},
 }
@@ -437,11 +438,16 @@ class AgenticConfig:
 
     def kv_bytes_of(self, arm: str) -> int:
         """The arm's --kv-cache-memory-bytes: the run's budget, or for an
-        ample arm (the batch control) enough for ``max_num_seqs_of(arm)``
-        requests at the workload's longest context (never less)."""
+        ample arm (the batch control) enough for every conversation of the
+        highest level at the workload's longest context (never less): the
+        waiting conversations' histories must stay in the GPU prefix cache
+        too. Run 23's control held only its 12 running requests (752 MiB):
+        the 20 waiting histories were evicted, every turn recomputed its
+        whole prompt (4.4M tokens of local compute, no cache hit), and its
+        TPOT read 11.3 ms against HiSparse's 4.3."""
         if not ARMS[arm_base(arm)].get("ample_kv"):
             return self.kv_bytes
-        return max(self.kv_bytes, ample_kv_bytes(self.max_num_seqs_of(arm),
+        return max(self.kv_bytes, ample_kv_bytes(self.conversations_at(max(self.concurrency)),
                                                  self.shape().max_context()))
 
 
@@ -451,10 +457,10 @@ class AgenticConfig:
 AMPLE_MARGIN = 1.25
 
 
-def ample_kv_bytes(seqs: int, max_context: int) -> int:
-    """GPU KV bytes for ``seqs`` requests of ``max_context`` tokens each on
+def ample_kv_bytes(requests: int, max_context: int) -> int:
+    """GPU KV bytes for ``requests`` of ``max_context`` tokens each on
     plain vLLM's pool (4 layers), with AMPLE_MARGIN, in whole MiB."""
-    need = seqs * max_context * PLAIN_BYTES_PER_TOKEN * AMPLE_MARGIN
+    need = requests * max_context * PLAIN_BYTES_PER_TOKEN * AMPLE_MARGIN
     return math.ceil(need / MIB) * MIB
 
 

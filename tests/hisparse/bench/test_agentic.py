@@ -588,18 +588,21 @@ def test_tax_verdict_comes_from_bench_tax():
     assert agentic.tax_verdict(None) is None
 
 
-def test_the_batch_control_holds_every_request_it_may_run():
+def test_the_batch_control_holds_every_conversation_of_the_highest_level():
     """plain_ample (P5's batch control): the only arm whose budget is not
-    the run's; it holds its cap's (or --max-num-seqs') requests at the
+    the run's; it holds every conversation of the highest level at the
     workload's longest context with a margin, in whole MiB, never below
-    --kv-bytes; the arm runs plain's engine."""
-    c = cfg(arms=["offload", "hisparse", "plain_ample@12"])
+    --kv-bytes, whatever its cap: the waiting conversations' histories
+    must stay in its prefix cache (run 23's control held its 12 running
+    requests only and recomputed every prompt); it runs plain's engine."""
+    c = cfg(arms=["offload", "hisparse", "plain_ample@12"], concurrency=[8, 32])
     longest = c.shape().max_context()
     ample = c.kv_bytes_of("plain_ample@12")
-    assert ample % agentic.MIB == 0
-    assert ample >= 12 * longest * agentic.PLAIN_BYTES_PER_TOKEN * agentic.AMPLE_MARGIN
-    assert ample - agentic.MIB < 12 * longest * agentic.PLAIN_BYTES_PER_TOKEN * agentic.AMPLE_MARGIN
-    assert c.kv_bytes_of("plain_ample") == agentic.ample_kv_bytes(c.max_num_seqs, longest)
+    need = 32 * longest * agentic.PLAIN_BYTES_PER_TOKEN * agentic.AMPLE_MARGIN
+    assert ample % agentic.MIB == 0 and need <= ample < need + agentic.MIB
+    assert c.kv_bytes_of("plain_ample") == c.kv_bytes_of("plain_ample@4") == ample
+    two = cfg(arms=["plain_ample@12"], concurrency=[16], conversations_per_client=2)
+    assert two.kv_bytes_of("plain_ample@12") == agentic.ample_kv_bytes(32, longest)
     assert {a: c.kv_bytes_of(a) for a in ("plain", "offload", "hisparse", "hisparse@6")} == \
         dict.fromkeys(("plain", "offload", "hisparse", "hisparse@6"), c.kv_bytes)
     assert agentic.arm_flags("plain_ample@12", c) == agentic.arm_flags("plain", c)

@@ -4,7 +4,7 @@
 # limit for all of it, and a machine held idle is given back within ~30 s).
 #
 # usage: scripts/device-steps.sh NAME:LIMIT=COMMAND [NAME:LIMIT=COMMAND ...]
-#   NAME      the step's name: letters, digits, '.', '_' or '-'
+#   NAME      the step's name: a letter or digit, then letters, digits, '.', '_' or '-'
 #   LIMIT     its time limit, as timeout(1) reads it (300, 5m)
 #   COMMAND   a bash command line, run from the current directory with OUT
 #             set to the step's own folder
@@ -29,7 +29,7 @@ for arg in "$@"; do
     -h|--help) hs_usage; exit 0 ;;
     -*) hs_die "unknown argument: $arg" ;;
   esac
-  [[ $arg =~ ^([A-Za-z0-9._-]+):([0-9]+[smhd]?)=(.+)$ ]] \
+  [[ $arg =~ ^([A-Za-z0-9][A-Za-z0-9._-]*):([0-9]+[smhd]?)=(.+)$ ]] \
     || hs_die "not NAME:LIMIT=COMMAND: $arg"
   steps+=("$arg")
 done
@@ -41,7 +41,7 @@ kill_pattern=${DEVICE_STEPS_KILL-"EngineCor[e]|vllm [s]erve"}
 
 failed=0
 for step in "${steps[@]}"; do
-  [[ $step =~ ^([A-Za-z0-9._-]+):([0-9]+[smhd]?)=(.+)$ ]]
+  [[ $step =~ ^([A-Za-z0-9][A-Za-z0-9._-]*):([0-9]+[smhd]?)=(.+)$ ]]
   name=${BASH_REMATCH[1]} limit=${BASH_REMATCH[2]} cmd=${BASH_REMATCH[3]}
   dir=$work/$name
   rm -rf "$dir" && mkdir -p "$dir"

@@ -57,7 +57,8 @@ def test_what_a_step_leaves_running_is_killed_after_it(tmp_path):
 
 
 def test_bad_steps_are_refused_before_anything_runs(tmp_path):
-    for bad in ("nolimit=true", "name:abc=true", "we ird:5=true", "a:5="):
+    for bad in ("nolimit=true", "name:abc=true", "we ird:5=true", "a:5=",
+                "..:5=true", ".hidden:5=true"):  # never a folder outside the work dir
         proc = run(tmp_path, "ok:5=touch $OUT/ran", bad)
         assert proc.returncode == 1 and "not NAME:LIMIT=COMMAND" in proc.stderr, bad
         assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()

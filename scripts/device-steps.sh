@@ -23,14 +23,17 @@
 # Exit status: 0 if every step exited 0, else 1.
 source "$(dirname "$0")/lib.sh"
 
-steps=()
+step_re='^([A-Za-z0-9][A-Za-z0-9._-]*):([0-9]+[smhd]?)=(.+)$'
+steps=() names=" "
 for arg in "$@"; do
   case $arg in
     -h|--help) hs_usage; exit 0 ;;
     -*) hs_die "unknown argument: $arg" ;;
   esac
-  [[ $arg =~ ^([A-Za-z0-9][A-Za-z0-9._-]*):([0-9]+[smhd]?)=(.+)$ ]] \
-    || hs_die "not NAME:LIMIT=COMMAND: $arg"
+  [[ $arg =~ $step_re ]] || hs_die "not NAME:LIMIT=COMMAND: $arg"
+  # one tar per name: a second step of the name would overwrite the first's
+  [[ $names != *" ${BASH_REMATCH[1]} "* ]] || hs_die "step name used twice: ${BASH_REMATCH[1]}"
+  names+="${BASH_REMATCH[1]} "
   steps+=("$arg")
 done
 [[ ${#steps[@]} -gt 0 ]] || hs_die "usage: scripts/device-steps.sh NAME:LIMIT=COMMAND ..."
@@ -41,7 +44,7 @@ kill_pattern=${DEVICE_STEPS_KILL-"EngineCor[e]|vllm [s]erve"}
 
 failed=0
 for step in "${steps[@]}"; do
-  [[ $step =~ ^([A-Za-z0-9][A-Za-z0-9._-]*):([0-9]+[smhd]?)=(.+)$ ]]
+  [[ $step =~ $step_re ]]
   name=${BASH_REMATCH[1]} limit=${BASH_REMATCH[2]} cmd=${BASH_REMATCH[3]}
   dir=$work/$name
   rm -rf "$dir" && mkdir -p "$dir"

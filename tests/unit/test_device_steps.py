@@ -62,6 +62,9 @@ def test_bad_steps_are_refused_before_anything_runs(tmp_path):
         proc = run(tmp_path, "ok:5=touch $OUT/ran", bad)
         assert proc.returncode == 1 and "not NAME:LIMIT=COMMAND" in proc.stderr, bad
         assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+    proc = run(tmp_path, "same:5=touch $OUT/ran", "other:5=true", "same:5=true")
+    assert proc.returncode == 1 and "step name used twice: same" in proc.stderr
+    assert not (tmp_path / "out").exists()
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     proc = subprocess.run([str(SCRIPT), "a:5=true"], env=env, text=True, capture_output=True)
     assert proc.returncode == 1 and "OUT is not set" in proc.stderr

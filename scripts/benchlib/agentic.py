@@ -441,7 +441,7 @@ class AgenticConfig:
         ample arm (the batch control) enough for every conversation of the
         highest level at the workload's longest context (never less): the
         waiting conversations' histories must stay in the GPU prefix cache
-        too. Run 23's control held only its 12 running requests (752 MiB):
+        too. Run 23's control held only its 12 running requests (718 MiB):
         the 20 waiting histories were evicted, every turn recomputed its
         whole prompt (4.4M tokens of local compute, no cache hit), and its
         TPOT read 11.3 ms against HiSparse's 4.3."""

@@ -302,6 +302,29 @@ def itl_split(arm: Mapping, base: Mapping) -> dict | None:
                                  for x in reversed(structural)]}
 
 
+def _figures(lv: Mapping) -> dict:
+    """A level's serving figures, as P5's side readings report them."""
+    return {"output_tokens_per_s": _tok_s(lv), "tpot_ms_p50": _tpot_p50(lv),
+            "mean_running": _running(lv), "preemptions": _preemptions(lv)}
+
+
+def _ratios(num: Mapping, den: Mapping, keys: Sequence[str]) -> dict | None:
+    """num[k] / den[k] for each of ``keys``, or None where a figure is
+    missing or a denominator is zero."""
+    if any(num[k] is None or not den[k] for k in keys):
+        return None
+    return {k: round(num[k] / den[k], 3) for k in keys}
+
+
+def _arms_named(arms: Mapping[str, Mapping], base: str, capped_only: bool = False):
+    """(name, level) of the arms ``base`` and ``base@N`` (only the latter
+    with ``capped_only``), by name."""
+    for name, lv in sorted(arms.items()):
+        head, sep, _ = name.partition("@")
+        if head == base and (sep or not capped_only):
+            yield name, lv
+
+
 def batch_control(arms: Mapping[str, Mapping], hisparse: Mapping) -> dict:
     """Each plain_ample arm of a level (bench-agentic: plain vLLM with a
     budget that never preempts, usually capped near HiSparse's running
@@ -312,18 +335,14 @@ def batch_control(arms: Mapping[str, Mapping], hisparse: Mapping) -> dict:
     batch HiSparse admits, not in HiSparse's own work. Reported, not the
     verdict."""
     out = {}
-    for name, lv in sorted(arms.items()):
-        if name.partition("@")[0] != "plain_ample":
-            continue
-        figs = (_tpot_p50(hisparse), _tpot_p50(lv), _tok_s(hisparse), _tok_s(lv),
-                _running(hisparse), _running(lv))
-        if None in figs or not figs[1] or not figs[3] or not figs[5]:
-            continue
-        out[name] = {"tpot_ms_p50": figs[1], "output_tokens_per_s": figs[3],
-                     "mean_running": figs[5], "preemptions": _preemptions(lv),
-                     "hisparse_tpot_ratio": round(figs[0] / figs[1], 3),
-                     "hisparse_throughput_ratio": round(figs[2] / figs[3], 3),
-                     "hisparse_running_ratio": round(figs[4] / figs[5], 3)}
+    for name, lv in _arms_named(arms, "plain_ample"):
+        mine = _figures(lv)
+        r = _ratios(_figures(hisparse), mine,
+                    ("tpot_ms_p50", "output_tokens_per_s", "mean_running"))
+        if r is not None:
+            out[name] = {**mine, "hisparse_tpot_ratio": r["tpot_ms_p50"],
+                         "hisparse_throughput_ratio": r["output_tokens_per_s"],
+                         "hisparse_running_ratio": r["mean_running"]}
     return out
 
 
@@ -333,17 +352,16 @@ def _capped_vs(arms: Mapping[str, Mapping], base: Mapping) -> dict:
     that setting meets both of P5's bounds. Reported, not the verdict: the
     verdict reads the arm as a user starts it."""
     out = {}
-    for name, lv in sorted(arms.items()):
-        if name.partition("@")[0] != "hisparse" or "@" not in name:
-            continue
-        figs = (_tok_s(lv), _tok_s(base), _tpot_p50(lv), _tpot_p50(base))
-        if None in figs or not figs[1] or not figs[3]:
-            continue
-        out[name] = {"output_tokens_per_s": figs[0], "tpot_ms_p50": figs[2],
-                     "mean_running": _running(lv), "preemptions": _preemptions(lv),
-                     "throughput_ratio": round(figs[0] / figs[1], 3),
-                     "tpot_ratio": round(figs[2] / figs[3], 3),
-                     "meets_both": figs[0] >= P5_VS_OFFLOAD * figs[1] and figs[2] <= figs[3]}
+    theirs = _figures(base)
+    for name, lv in _arms_named(arms, "hisparse", capped_only=True):
+        mine = _figures(lv)
+        r = _ratios(mine, theirs, ("output_tokens_per_s", "tpot_ms_p50"))
+        if r is not None:
+            out[name] = {**mine, "throughput_ratio": r["output_tokens_per_s"],
+                         "tpot_ratio": r["tpot_ms_p50"],
+                         "meets_both": mine["output_tokens_per_s"] >= P5_VS_OFFLOAD
+                         * theirs["output_tokens_per_s"]
+                         and mine["tpot_ms_p50"] <= theirs["tpot_ms_p50"]}
     return out
 
 

@@ -408,6 +408,16 @@ def test_the_aa_control_stops_on_its_ratio_or_its_interval():
     assert why is not None and why.startswith(f"off_b/off {r['ratio']:.3f}, but its 90% interval")
     assert why.endswith("reaches past ±15%")
     assert tax.aa_noise(samples({"off": cell, "on": cell}, reps=6)) is None
+    # the report's verdict reads the same cell: its bias passes, it is noisy
+    rep = tax.build_report(cfg=cfg(arms=["off", "off_b"]), command="x", samples=wide,
+                           engines_info={}, profiles={}, runs=[{}], failures=[])
+    aa = rep["targets"]["aa_control"]
+    assert aa["pass"] is True and aa["measured"]["fdo/batch16"]["noisy"] is True
+    assert aa["why"].endswith("(too noisy to resolve 1.10): fdo/batch16")
+    quiet = tax.build_report(cfg=cfg(arms=["off", "off_b"]), command="x", samples=steady,
+                             engines_info={}, profiles={}, runs=[{}], failures=[])
+    assert quiet["targets"]["aa_control"]["measured"]["fdo/batch16"]["noisy"] is False
+    assert quiet["targets"]["aa_control"]["why"] == ""
 
 
 # -------------------------------------------------------------- profile

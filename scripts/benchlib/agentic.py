@@ -526,8 +526,39 @@ def is_ours(arm: str) -> bool:
     return ARMS[arm_base(arm)]["vllm"] == "ours"
 
 
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """vLLM 0.26.0's CUDA-graph capture sizes when none are given
+    (``VllmConfig._set_cudagraph_sizes``, performance mode "balanced", no
+    speculative tokens)."""
+    top = min(max_num_seqs * 2, 512, max_num_batched_tokens)
+    sizes = [i for i in (1, 2, 4) if i <= top]
+    if top >= 8:
+        sizes += range(8, min(top + 1, 256), 8)
+    if top >= 256:
+        sizes += range(256, top + 1, 16)
+    if max_num_batched_tokens <= top:
+        sizes.append(max_num_batched_tokens)
+    return sorted(set(sizes))
+
+
+def capped_compilation_config(arm: str, cc: dict | None, chunk: int) -> dict | None:
+    """``cc`` for an arm served @N: vLLM captures FULL decode graphs only at
+    capture sizes <= max_num_seqs, so under the default sizes a cap that is
+    not one of them (6, 12) leaves its fullest decode batches (5-6, 9-12)
+    padded to a size with no FULL graph, and they run PIECEWISE (run 24's
+    plain_ample@12: every decode step). N joins the sizes; sizes the user
+    gave are kept as given."""
+    cap = arm_cap(arm)
+    if cap is None or (cc and "cudagraph_capture_sizes" in cc):
+        return cc
+    sizes = default_capture_sizes(cap, chunk)
+    if cap in sizes or cap > chunk:
+        return cc
+    return {**(cc or {}), "cudagraph_capture_sizes": sorted({*sizes, cap})}
+
+
 def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
-    arm = arm_base(arm)  # a cap is server_command's --max-num-seqs
+    capped, arm = arm, arm_base(arm)  # the cap itself is server_command's --max-num-seqs
     force_mqa = json.dumps({"sparse_mla_force_mqa": True})
     if arm in ("plain", "plain_ample"):  # the same engine; the budget is server_command's
         flags = ["--attention-config", force_mqa]
@@ -546,7 +577,8 @@ def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:
             "kv_connector_extra_config": {"host_pool_gib": cfg.host_pool_gib}})]
     else:
         raise ValueError(f"unknown arm {arm}")
-    cc = cfg.upstream_compilation_config if arm == "upstream" else cfg.compilation_config
+    cc = (cfg.upstream_compilation_config if arm == "upstream"
+          else capped_compilation_config(capped, cfg.compilation_config, cfg.chunk))
     if cc:
         flags += ["--compilation-config", json.dumps(cc)]
     return flags

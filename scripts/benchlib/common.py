@@ -180,15 +180,33 @@ def child_env(base: dict | None = None, *, variant: str | None = None,
     return env
 
 
-def log_digest(log_dir: Path, out_file: Path, lines: int = 150) -> Path | None:
+# Lines that say why something failed: vLLM's and the multi-turn tool's
+# errors, a refused request (the tool's "Received HTTP status", "Request
+# rejected", "Timeout during", "Exception during"; the server's access log
+# with a 4xx/5xx status) and tracebacks.
+FAILURE_LINE = re.compile(r"\bERROR\b|Traceback|Error:|Received HTTP status|Request rejected"
+                          r"|Timeout during|Exception during|HTTP/1\.1\" [45]\d\d")
+
+
+def log_digest(log_dir: Path, out_file: Path, lines: int = 150,
+               failure_lines: int = 40) -> Path | None:
     """The last ``lines`` lines of every log in ``log_dir``, one file (a
-    device call returns at most 8 files: the logs themselves stay behind)."""
+    device call returns at most 8 files: the logs themselves stay behind),
+    each after its first ``failure_lines`` lines before the tail that match
+    FAILURE_LINE (run 24 lost the cause of the offloader's one failed
+    request: it was logged before the tool's last 150 lines)."""
     logs = sorted(Path(log_dir).glob("*.log"))
     if not logs:
         return None
     parts = []
     for log in logs:
         text = log.read_text(errors="replace").splitlines()
+        head = text[:-lines] if len(text) > lines else []
+        failed = [f"{i + 1}: {t}" for i, t in enumerate(head) if FAILURE_LINE.search(t)]
+        if failed:
+            parts.append(f"===== {log.name} (failure lines before the tail: "
+                         f"{min(failure_lines, len(failed))} of {len(failed)})")
+            parts += failed[:failure_lines]
         parts.append(f"===== {log.name} (last {min(lines, len(text))} of {len(text)} lines)")
         parts += text[-lines:]
     out_file = Path(out_file)

@@ -246,25 +246,47 @@ def p4(levels: Iterable[Mapping]) -> dict:
 
 def p5(levels: Iterable[Mapping]) -> dict:
     by = _levels(levels)
-    sustained_levels = [c for c, arms in by.items()
-                        if "offload" in arms and sustained(arms["offload"]) and "hisparse" in arms]
+    both = [c for c, arms in by.items() if "offload" in arms and "hisparse" in arms]
+    sustained_levels = [c for c in both if sustained(by[c]["offload"])]
     if not sustained_levels:
-        return verdict("P5", None, {}, "needs a level the offload baseline sustains "
-                                       "(no failure) with the hisparse arm beside it")
+        if not both:
+            return verdict("P5", None, {}, "needs a level the offload baseline sustains "
+                                           "(no failure) with the hisparse arm beside it")
+        # Read only: the baseline failed a request at every level (run 24:
+        # one of 405), so no verdict; the figures still say where it stands.
+        c = max(both)
+        measured = _p5_measured(by[c], c)
+        failures = (by[c]["offload"].get("client") or {}).get("failures")
+        measured["baseline_sustained"] = False
+        return verdict("P5", None, measured,
+                       f"the offload baseline sustains no level (at {c}: status "
+                       f"{by[c]['offload'].get('status')}, {failures} failed request(s)); "
+                       "its figures are read, not judged")
     c = max(sustained_levels)
+    measured = _p5_measured(by[c], c)
+    if "throughput_ratio" not in measured:
+        return verdict("P5", None, measured, "throughput or TPOT missing at that level")
     h, o = by[c]["hisparse"], by[c]["offload"]
+    ok = _tok_s(h) >= P5_VS_OFFLOAD * _tok_s(o) and _tpot_p50(h) <= _tpot_p50(o)
+    return verdict("P5", ok, measured)
+
+
+def _p5_measured(arms: Mapping[str, Mapping], c: int) -> dict:
+    """P5's figures at level ``c``: both arms', their ratios and the side
+    readings (capped arms, the ITL split, the batch control); no ratios
+    where a figure is missing."""
+    h, o = arms["hisparse"], arms["offload"]
     measured = {"at_concurrency": c,
                 "hisparse": {"output_tokens_per_s": _tok_s(h), "tpot_ms_p50": _tpot_p50(h)},
                 "offload": {"output_tokens_per_s": _tok_s(o), "tpot_ms_p50": _tpot_p50(o)}}
     if None in (_tok_s(h), _tok_s(o), _tpot_p50(h), _tpot_p50(o)):
-        return verdict("P5", None, measured, "throughput or TPOT missing at that level")
+        return measured
     measured["throughput_ratio"] = round(_tok_s(h) / _tok_s(o), 3) if _tok_s(o) else None
     measured["tpot_ratio"] = round(_tpot_p50(h) / _tpot_p50(o), 3)
-    measured["capped"] = _capped_vs(by[c], o)
+    measured["capped"] = _capped_vs(arms, o)
     measured["itl_split"] = itl_split(h, o)
-    measured["batch_control"] = batch_control(by[c], h)
-    ok = _tok_s(h) >= P5_VS_OFFLOAD * _tok_s(o) and _tpot_p50(h) <= _tpot_p50(o)
-    return verdict("P5", ok, measured)
+    measured["batch_control"] = batch_control(arms, h)
+    return measured
 
 
 def itl_split(arm: Mapping, base: Mapping) -> dict | None:

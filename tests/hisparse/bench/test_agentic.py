@@ -449,7 +449,8 @@ def test_a_capped_arm_is_its_base_arm_with_fewer_running_requests():
     base = agentic.server_command("hisparse", c, "p", "/m")
     seqs = lambda cmd: cmd[cmd.index("--max-num-seqs") + 1]  # noqa: E731
     assert (seqs(capped), seqs(base)) == ("6", str(c.max_num_seqs))
-    assert agentic.arm_flags("hisparse@6", c) == agentic.arm_flags("hisparse", c)
+    # its flags are hisparse's, less the capture sizes its cap needs (below)
+    assert agentic.arm_flags("hisparse@6", c)[:4] == agentic.arm_flags("hisparse", c)
     assert len({c.port(a) for a in c.arms}) == len(c.arms)
     levels = [{"arm": a, "concurrency": 32} for a in ("hisparse@6", "offload", "hisparse@3",
                                                        "hisparse")]
@@ -457,6 +458,59 @@ def test_a_capped_arm_is_its_base_arm_with_fewer_running_requests():
     # a capped arm's prior counts its own cap: fewer tokens/s, a longer level
     assert agentic.level_prior_s(c, "hisparse@3", 32) > agentic.level_prior_s(c, "hisparse", 32)
     assert "hisparse@6" in agentic.ArmNames() and "upstream@6" not in agentic.ArmNames()
+
+
+def _decode_graph_modes(cmd: list[str], drop_config: bool = False) -> list[str]:
+    """vLLM 0.26.0's own sizing and dispatcher for the server command's
+    --max-num-seqs and --compilation-config (none with ``drop_config``) in
+    FULL_AND_PIECEWISE: the mode a uniform decode batch of each size
+    1..max_num_seqs runs in."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    def arg(flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    seqs = int(arg("--max-num-seqs"))
+    given = ({} if drop_config or "--compilation-config" not in cmd
+             else json.loads(arg("--compilation-config")))
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                           cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                           splitting_ops=list(CompilationConfig._attention_ops), **given)
+    vc = NS(model_config=NS(enforce_eager=False), compilation_config=cc,
+            scheduler_config=NS(max_num_seqs=seqs,
+                                max_num_batched_tokens=int(arg("--max-num-batched-tokens"))),
+            num_speculative_tokens=0, performance_mode="balanced",
+            parallel_config=NS(tensor_parallel_size=1, enable_sp=False), lora_config=None)
+    VllmConfig._set_cudagraph_sizes(vc)
+    d = CudagraphDispatcher(vc)
+    d.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, 1)
+    return [d.dispatch(n, uniform_decode=True, has_lora=False)[0].name
+            for n in range(1, seqs + 1)]
+
+
+@pytest.mark.parametrize("arm", ["plain_ample@12", "hisparse@6", "hisparse@4", "hisparse"])
+def test_a_capped_arm_decodes_its_fullest_batches_in_full_cuda_graphs(arm):
+    """vLLM captures FULL decode graphs only at capture sizes <= max_num_seqs;
+    under the default sizes a cap that is not one of them ran its fullest
+    decode batches PIECEWISE (run 24's plain_ample@12, 9-12 running: every
+    decode step through Python, TPOT 9.09 ms against HiSparse's 6.01 at the
+    same batch). Read by vLLM's own sizing and dispatcher: every decode
+    batch of every arm replays a FULL graph; an arm whose cap is already a
+    size (or that has none) gets no compilation config of ours; sizes the
+    user gave are kept."""
+    c = cfg(arms=[arm], concurrency=[32])
+    cmd = agentic.server_command(arm, c, "p", "/m")
+    assert set(_decode_graph_modes(cmd)) == {"FULL"}
+    added = arm in ("plain_ample@12", "hisparse@6")
+    assert ("--compilation-config" in cmd) == added
+    # under the defaults alone, the fullest batches would fall back
+    assert (_decode_graph_modes(cmd, drop_config=True)[-1] == "PIECEWISE") == added
+    mine = {"cudagraph_capture_sizes": [1, 2, 4]}
+    assert agentic.capped_compilation_config(arm, mine, c.chunk) == mine
 
 
 def test_the_ablation_arm_turns_r35_off_through_vllms_plugin_loading():
@@ -605,9 +659,37 @@ def test_the_batch_control_holds_every_conversation_of_the_highest_level():
     assert two.kv_bytes_of("plain_ample@12") == agentic.ample_kv_bytes(32, longest)
     assert {a: c.kv_bytes_of(a) for a in ("plain", "offload", "hisparse", "hisparse@6")} == \
         dict.fromkeys(("plain", "offload", "hisparse", "hisparse@6"), c.kv_bytes)
-    assert agentic.arm_flags("plain_ample@12", c) == agentic.arm_flags("plain", c)
+    assert agentic.arm_flags("plain_ample@12", c)[:2] == agentic.arm_flags("plain", c)
     big = cfg(kv_bytes=64 << 30)
     assert big.kv_bytes_of("plain_ample@2") == big.kv_bytes  # never less than the run's
     cmd = agentic.server_command("plain_ample@12", c, "py", "/m")
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(ample)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "12"
+
+
+def test_the_log_digest_keeps_the_lines_that_say_why_a_request_failed(tmp_path):
+    """Run 24's offloader lost one request and the digest (each log's last
+    150 lines) no longer held why: the lines before the tail that say why
+    something failed (the tool's refusal and timeout lines, the server's
+    4xx/5xx access lines, errors, tracebacks) come first, numbered; a log
+    without any, or with them only in its tail, is its tail alone."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tool = [f"INFO - Client {i % 32} sent a turn" for i in range(300)]
+    tool[9] = "WARNING - Received HTTP status 400 (Bad Request): prompt too long"
+    tool[20] = "ERROR - Client 21 - Timeout during conversation ID 7 (turn: 3)"
+    tool[290] = "ERROR - in the tail"
+    (logs / "tool_offload_c32.log").write_text("\n".join(tool) + "\n")
+    server = ['INFO: 127.0.0.1 - "POST /v1/chat/completions HTTP/1.1" 200 OK'] * 200
+    server[5] = 'INFO: 127.0.0.1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error'
+    (logs / "server_offload.log").write_text("\n".join(server) + "\n")
+    (logs / "server_hisparse.log").write_text("\n".join(["INFO ok"] * 200) + "\n")
+    out = common.log_digest(logs, tmp_path / "digest.txt", lines=150)
+    text = out.read_text()
+    assert "===== tool_offload_c32.log (failure lines before the tail: 2 of 2)\n" \
+           "10: WARNING - Received HTTP status 400 (Bad Request): prompt too long\n" \
+           "21: ERROR - Client 21 - Timeout during conversation ID 7 (turn: 3)\n" in text
+    assert "6: INFO: 127.0.0.1 - \"POST /v1/chat/completions HTTP/1.1\" 500" in text
+    assert text.count("ERROR - in the tail") == 1
+    assert "server_hisparse.log (failure lines" not in text
+    assert "===== server_hisparse.log (last 150 of 200 lines)" in text

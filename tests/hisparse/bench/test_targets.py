@@ -145,6 +145,26 @@ def test_p5_uses_the_highest_level_the_baseline_sustains():
     assert T.p5(timed_out)["pass"] is None
 
 
+def test_p5_reads_a_level_the_baseline_did_not_sustain_without_judging_it():
+    """Run 24: the offloader failed one request of 405 at its only level.
+    No verdict (the target asks for a level the baseline sustains), but
+    the figures and ratios are reported, marked, with why; a sustained
+    lower level still wins over reading an unsustained higher one."""
+    levels = [lv("offload", 32, 3, tok_s=100, tpot=2.0, failures=1),
+              lv("hisparse", 32, 11, tok_s=218, tpot=3.1)]
+    v = T.p5(levels)
+    assert v["pass"] is None and v["measured"]["baseline_sustained"] is False
+    assert v["measured"]["throughput_ratio"] == pytest.approx(2.18)
+    assert v["measured"]["tpot_ratio"] == pytest.approx(1.55)
+    assert v["why"].startswith("the offload baseline sustains no level (at 32: status ok, "
+                               "1 failed request(s))")
+    with_low = levels + [lv("offload", 8, 3, tok_s=100, tpot=2.0),
+                         lv("hisparse", 8, 8, tok_s=250, tpot=1.9)]
+    judged = T.p5(with_low)
+    assert judged["pass"] is True and judged["measured"]["at_concurrency"] == 8
+    assert "baseline_sustained" not in judged["measured"]
+
+
 def test_p5_reports_the_capped_hisparse_arms_beside_its_verdict():
     """hisparse@N (bench-agentic's running-request cap) at P5's level: its
     ratios to the baseline and whether that setting meets both bounds; the

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import prom, stats, targets
+from . import common, prom, stats, targets
 
 SCHEMA = "bench-agentic/1"
 TOOL = "benchmark_serving_multi_turn.py"
@@ -526,35 +526,12 @@ def is_ours(arm: str) -> bool:
     return ARMS[arm_base(arm)]["vllm"] == "ours"
 
 
-def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """vLLM 0.26.0's CUDA-graph capture sizes when none are given
-    (``VllmConfig._set_cudagraph_sizes``, performance mode "balanced", no
-    speculative tokens)."""
-    top = min(max_num_seqs * 2, 512, max_num_batched_tokens)
-    sizes = [i for i in (1, 2, 4) if i <= top]
-    if top >= 8:
-        sizes += range(8, min(top + 1, 256), 8)
-    if top >= 256:
-        sizes += range(256, top + 1, 16)
-    if max_num_batched_tokens <= top:
-        sizes.append(max_num_batched_tokens)
-    return sorted(set(sizes))
-
-
 def capped_compilation_config(arm: str, cc: dict | None, chunk: int) -> dict | None:
-    """``cc`` for an arm served @N: vLLM captures FULL decode graphs only at
-    capture sizes <= max_num_seqs, so under the default sizes a cap that is
-    not one of them (6, 12) leaves its fullest decode batches (5-6, 9-12)
-    padded to a size with no FULL graph, and they run PIECEWISE (run 24's
-    plain_ample@12: every decode step). N joins the sizes; sizes the user
-    gave are kept as given."""
+    """``cc`` for an arm served @N: N among the CUDA-graph capture sizes
+    (``common.with_full_decode_graphs``; run 24's plain_ample@12 ran its
+    9-12 decode batches PIECEWISE without it)."""
     cap = arm_cap(arm)
-    if cap is None or (cc and "cudagraph_capture_sizes" in cc):
-        return cc
-    sizes = default_capture_sizes(cap, chunk)
-    if cap in sizes or cap > chunk:
-        return cc
-    return {**(cc or {}), "cudagraph_capture_sizes": sorted({*sizes, cap})}
+    return cc if cap is None else common.with_full_decode_graphs(cc, cap, chunk)
 
 
 def arm_flags(arm: str, cfg: AgenticConfig) -> list[str]:

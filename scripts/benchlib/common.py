@@ -180,6 +180,38 @@ def child_env(base: dict | None = None, *, variant: str | None = None,
     return env
 
 
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """vLLM 0.26.0's CUDA-graph capture sizes when none are given
+    (``VllmConfig._set_cudagraph_sizes``, performance mode "balanced", no
+    speculative tokens)."""
+    top = min(max_num_seqs * 2, 512, max_num_batched_tokens)
+    sizes = [i for i in (1, 2, 4) if i <= top]
+    if top >= 8:
+        sizes += range(8, min(top + 1, 256), 8)
+    if top >= 256:
+        sizes += range(256, top + 1, 16)
+    if max_num_batched_tokens <= top:
+        sizes.append(max_num_batched_tokens)
+    return sorted(set(sizes))
+
+
+def with_full_decode_graphs(cc: dict | None, max_num_seqs: int,
+                            max_num_batched_tokens: int) -> dict | None:
+    """``cc`` such that a decode batch of ``max_num_seqs`` requests replays
+    a FULL CUDA graph. vLLM captures FULL decode graphs only at capture
+    sizes <= max_num_seqs, so under the default sizes a max_num_seqs that
+    is not one of them (6, 12) pads its fullest decode batches (5-6, 9-12)
+    to a size with no FULL graph: PIECEWISE (FULL_AND_PIECEWISE) or eager
+    (FULL_DECODE_ONLY). It joins the sizes; sizes given in ``cc`` are kept
+    as given, and a config without CUDA graphs is returned as it is."""
+    if cc is not None and ("cudagraph_capture_sizes" in cc or cc.get("cudagraph_mode") == "NONE"):
+        return cc
+    sizes = default_capture_sizes(max_num_seqs, max_num_batched_tokens)
+    if max_num_seqs in sizes or max_num_seqs > max_num_batched_tokens:
+        return cc
+    return {**(cc or {}), "cudagraph_capture_sizes": sorted({*sizes, max_num_seqs})}
+
+
 # Lines that say why something failed: vLLM's and the multi-turn tool's
 # errors, a refused request (the tool's "Received HTTP status", "Request
 # rejected", "Timeout during", "Exception during"; the server's access log

@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from . import stats, targets
+from . import common, stats, targets
 
 SCHEMA = "bench-tax/1"
 
@@ -171,10 +171,17 @@ class TaxConfig:
         return self.host_pool_gib or self.auto_gib(layers)
 
 
-def mode_kwargs(mode: str, extra: Mapping | None = None) -> dict:
+def mode_kwargs(mode: str, extra: Mapping | None = None, max_num_seqs: int | None = None,
+                max_num_batched_tokens: int | None = None) -> dict:
+    """The mode's engine arguments; with ``max_num_seqs`` (the largest
+    batch) it is among the capture sizes, so that batch decodes in a FULL
+    CUDA graph (``common.with_full_decode_graphs``: --batches 1,12 would
+    otherwise decode its 12 in no graph under FULL_DECODE_ONLY)."""
     if MODES[mode] is None:
         return {"enforce_eager": True}
     cc = {**MODES[mode], **(extra or {})}
+    if max_num_seqs is not None and max_num_batched_tokens is not None:
+        cc = common.with_full_decode_graphs(cc, max_num_seqs, max_num_batched_tokens)
     return {"compilation_config": cc} if cc else {}
 
 
@@ -189,7 +196,7 @@ def llm_kwargs(cfg: TaxConfig, arm: str, mode: str, layers: int, model_dir: str)
               kv_cache_memory_bytes=cfg.kv_bytes(layers),
               gpu_memory_utilization=cfg.gpu_memory_utilization)
     extra = cfg.upstream_compilation_extra if a["vllm"] == "upstream" else cfg.compilation_extra
-    kw.update(mode_kwargs(mode, extra))
+    kw.update(mode_kwargs(mode, extra, max(cfg.batches), cfg.chunk))
     if a["vllm"] == "ours":
         if not a["hisparse"]:
             kw["attention_config"] = {"sparse_mla_force_mqa": True}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from benchlib import agentic, common, prom
+import vllm_graphs
 from metrics_sample import metrics_text
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -461,35 +462,16 @@ def test_a_capped_arm_is_its_base_arm_with_fewer_running_requests():
 
 
 def _decode_graph_modes(cmd: list[str], drop_config: bool = False) -> list[str]:
-    """vLLM 0.26.0's own sizing and dispatcher for the server command's
-    --max-num-seqs and --compilation-config (none with ``drop_config``) in
-    FULL_AND_PIECEWISE: the mode a uniform decode batch of each size
-    1..max_num_seqs runs in."""
-    from types import SimpleNamespace as NS
-
-    from vllm.config import CompilationConfig, VllmConfig
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-
+    """vllm_graphs.decode_graph_modes for a server command (its
+    --max-num-seqs, --max-num-batched-tokens and --compilation-config, none
+    with ``drop_config``)."""
     def arg(flag: str) -> str:
         return cmd[cmd.index(flag) + 1]
 
-    seqs = int(arg("--max-num-seqs"))
-    given = ({} if drop_config or "--compilation-config" not in cmd
+    given = (None if drop_config or "--compilation-config" not in cmd
              else json.loads(arg("--compilation-config")))
-    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
-                           cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                           splitting_ops=list(CompilationConfig._attention_ops), **given)
-    vc = NS(model_config=NS(enforce_eager=False), compilation_config=cc,
-            scheduler_config=NS(max_num_seqs=seqs,
-                                max_num_batched_tokens=int(arg("--max-num-batched-tokens"))),
-            num_speculative_tokens=0, performance_mode="balanced",
-            parallel_config=NS(tensor_parallel_size=1, enable_sp=False), lora_config=None)
-    VllmConfig._set_cudagraph_sizes(vc)
-    d = CudagraphDispatcher(vc)
-    d.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, 1)
-    return [d.dispatch(n, uniform_decode=True, has_lora=False)[0].name
-            for n in range(1, seqs + 1)]
+    return vllm_graphs.decode_graph_modes(int(arg("--max-num-seqs")),
+                                          int(arg("--max-num-batched-tokens")), given)
 
 
 @pytest.mark.parametrize("arm", ["plain_ample@12", "hisparse@6", "hisparse@4", "hisparse"])

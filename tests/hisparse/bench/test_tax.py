@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import vllm_graphs
 from benchlib import tax, targets
 from benchlib.engine_worker import prompts_for, to_configs
 
@@ -976,3 +977,21 @@ def test_start_plan_keeps_engines_together_only_where_they_fit():
     cfg.start = "sometimes"
     with pytest.raises(ValueError, match="--start must be one of"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("batches", [(1, 16), (1, 8, 16), (1, 12), (6,)])
+@pytest.mark.parametrize("mode", ["fdo", "default"])
+def test_every_measured_batch_decodes_in_a_full_cuda_graph(mode, batches):
+    """max_num_seqs is the largest batch, and vLLM captures FULL decode
+    graphs only at capture sizes <= max_num_seqs: under the default sizes
+    --batches 1,12 would decode its 12 in no graph (FULL_DECODE_ONLY) or
+    PIECEWISE. Read through vLLM's own sizing and dispatcher: every batch
+    measured dispatches FULL; the usual batches (1, 8, 16) get no sizes of
+    ours."""
+    c = cfg(batches=list(batches))
+    kw = tax.llm_kwargs(c, "on", mode, 4, "/m")
+    cc = kw.get("compilation_config")
+    modes = vllm_graphs.decode_graph_modes(kw["max_num_seqs"], kw["max_num_batched_tokens"], cc)
+    assert {modes[b - 1] for b in batches} == {"FULL"}
+    assert ("cudagraph_capture_sizes" in (cc or {})) == (max(batches) in (12, 6))
+    assert "compilation_config" not in tax.llm_kwargs(c, "on", "eager", 4, "/m")

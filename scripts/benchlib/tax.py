@@ -171,17 +171,16 @@ class TaxConfig:
         return self.host_pool_gib or self.auto_gib(layers)
 
 
-def mode_kwargs(mode: str, extra: Mapping | None = None, max_num_seqs: int | None = None,
-                max_num_batched_tokens: int | None = None) -> dict:
-    """The mode's engine arguments; with ``max_num_seqs`` (the largest
-    batch) it is among the capture sizes, so that batch decodes in a FULL
-    CUDA graph (``common.with_full_decode_graphs``: --batches 1,12 would
-    otherwise decode its 12 in no graph under FULL_DECODE_ONLY)."""
+def mode_kwargs(mode: str, extra: Mapping | None, max_num_seqs: int,
+                max_num_batched_tokens: int) -> dict:
+    """The mode's engine arguments, ``max_num_seqs`` (the largest batch)
+    among the capture sizes so that batch decodes in a FULL CUDA graph
+    (``common.with_full_decode_graphs``: --batches 1,12 would otherwise
+    decode its 12 in no graph under FULL_DECODE_ONLY)."""
     if MODES[mode] is None:
         return {"enforce_eager": True}
-    cc = {**MODES[mode], **(extra or {})}
-    if max_num_seqs is not None and max_num_batched_tokens is not None:
-        cc = common.with_full_decode_graphs(cc, max_num_seqs, max_num_batched_tokens)
+    cc = common.with_full_decode_graphs({**MODES[mode], **(extra or {})}, max_num_seqs,
+                                        max_num_batched_tokens)
     return {"compilation_config": cc} if cc else {}
 
 

@@ -474,6 +474,16 @@ def _decode_graph_modes(cmd: list[str], drop_config: bool = False) -> list[str]:
                                           int(arg("--max-num-batched-tokens")), given)
 
 
+@pytest.mark.parametrize("seqs,chunk", [(1, 2048), (4, 2048), (6, 2048), (12, 2048),
+                                        (64, 2048), (200, 2048), (300, 2048), (64, 48)])
+def test_the_default_capture_sizes_are_vllms(seqs, chunk):
+    """common.default_capture_sizes (which decides whether a cap is already
+    a size) is vLLM 0.26.0's own `_set_cudagraph_sizes` default: small caps,
+    the 8-step and 16-step ranges, the 512 bound and a chunk below them."""
+    vc, _ = vllm_graphs.sized_config(seqs, chunk, None)
+    assert common.default_capture_sizes(seqs, chunk) == vc.compilation_config.cudagraph_capture_sizes
+
+
 @pytest.mark.parametrize("arm", ["plain_ample@12", "hisparse@6", "hisparse@4", "hisparse"])
 def test_a_capped_arm_decodes_its_fullest_batches_in_full_cuda_graphs(arm):
     """vLLM captures FULL decode graphs only at capture sizes <= max_num_seqs;
